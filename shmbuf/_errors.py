@@ -1,0 +1,57 @@
+"""The exception hierarchy.
+
+Every error subclasses ``ShmbufError`` and the builtin a caller would already
+catch, so ``except FileNotFoundError`` keeps working on a missing segment.
+"""
+
+
+class ShmbufError(Exception):
+    """Base class of every error that shmbuf raises on purpose."""
+
+
+class SegmentNotFoundError(ShmbufError, FileNotFoundError):
+    """No shared-memory segment has the given name."""
+
+
+class SegmentExistsError(ShmbufError, FileExistsError):
+    """``create`` was given a name that is already taken."""
+
+
+class SegmentPermissionError(ShmbufError, PermissionError):
+    """The segment exists but this process may not open it (mode 0600)."""
+
+
+class CorruptSegmentError(ShmbufError, ValueError):
+    """The segment is not a shmbuf buffer, or its header does not add up."""
+
+
+class LayoutVersionError(CorruptSegmentError):
+    """The segment was written by a shmbuf with another layout version."""
+
+
+class SharedMemoryFullError(ShmbufError, OSError):
+    """``/dev/shm`` has too little free space for the requested buffer."""
+
+
+class BufferClosedError(ShmbufError, ValueError):
+    """An operation was attempted on a closed buffer or writer."""
+
+
+class NotEnoughDataError(ShmbufError, ValueError):
+    """The buffer holds too little data for the requested sample."""
+
+
+class NoFreeChunkError(ShmbufError, RuntimeError):
+    """Every chunk is held by a live writer stream; nothing can be recycled."""
+
+
+class NoFreeWriterSlotError(ShmbufError, RuntimeError):
+    """Every writer slot in the header is held by a live process."""
+
+
+class SampleRetryError(ShmbufError, RuntimeError):
+    """Writers recycled the sampled chunks faster than a batch could be read."""
+
+
+class WaitTimeoutError(ShmbufError, TimeoutError):
+    """A ``wait_*`` call ran out of time."""

@@ -1,0 +1,317 @@
+"""Where every byte of a segment lives: the header table and the column layout.
+
+Pure math and struct packing; no I/O.  The whole segment, in one table
+(offsets in bytes; Q = u64, q = i64, I = u32, all little-endian):
+
+  off  field         fmt  meaning
+    0  magic         Q    b"SHMBUF\\0\\1" read as little-endian u64
+    8  version       I    LAYOUT_VERSION of the shmbuf that created the segment
+   12  n_columns     I    entries in the column table (user columns + "_ep")
+   16  total_bytes   Q    size of the whole segment
+   24  capacity      Q    rows per column
+   32  chunk_size    Q    rows per chunk; the last chunk may be shorter
+   40  n_chunks      Q    ceil(capacity / chunk_size)
+   48  max_writers   Q    entries in the writer slot table
+   56  done_column   q    table index of the terminal column, -1 if none
+   64  owner_pid     Q    pid of the creating process
+   72  owner_start   Q    its start time in clock ticks after boot (/proc/PID/stat #22)
+   80  created_ns    Q    wall clock at create, time.time_ns()
+  128  ticket        Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
+  192  next_stream   Q    atomic: stream ids handed out so far
+  256  evicted       Q    atomic: committed steps dropped by recycling
+  320  retired       Q    atomic: steps counted by writer slots that were freed since
+  384  samples       Q    atomic: sample calls served
+  512  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
+   ..  writer slots  max_writers x 64 B, see SLOT_FIELDS
+   ..  chunk table   n_chunks x 64 B, see CHUNK_FIELDS
+   ..  columns       capacity x row_bytes each, each starting on a page boundary
+
+Every atomic counter, slot and chunk entry owns a 64-byte cache line, so that
+writers touching different entries never share a line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import keyword
+import math
+import struct
+
+import numpy as np
+
+from ._errors import CorruptSegmentError, LayoutVersionError
+
+MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
+LAYOUT_VERSION = 1
+LINE = 64
+PAGE = 4096
+MAX_NDIM = 8
+MAX_COLUMNS = 64
+MAX_NAME_BYTES = 63
+DEFAULT_CHUNK_SIZE = 512
+DEFAULT_MAX_WRITERS = 128
+EP_COLUMN = "_ep"
+
+# (offset, struct format) of each fixed header field; the table above in code.
+HEADER_FIELDS = {
+    "magic": (0, "<Q"),
+    "version": (8, "<I"),
+    "n_columns": (12, "<I"),
+    "total_bytes": (16, "<Q"),
+    "capacity": (24, "<Q"),
+    "chunk_size": (32, "<Q"),
+    "n_chunks": (40, "<Q"),
+    "max_writers": (48, "<Q"),
+    "done_column": (56, "<q"),
+    "owner_pid": (64, "<Q"),
+    "owner_start": (72, "<Q"),
+    "created_ns": (80, "<Q"),
+}
+COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384}
+COLUMN_TABLE = 512
+COLUMN_ENTRY = 256
+COLUMN_STRUCT = struct.Struct("<64s32sQ8QQQ")
+
+# Writer slot entry: state = lease << 32 | pid (pid 0: free).
+SLOT_ENTRY = 64
+SLOT_FIELDS = {"state": 0, "start_time": 8, "steps": 16, "streams": 24, "episodes": 32}
+
+# Chunk entry: state packs seq (bits 32-63; odd while the chunk is being reset),
+# sealed (bit 31; the owner has moved on), owner slot (bits 16-30) and the low
+# 16 bits of that slot's lease.  next is successor chunk index + 1 (0: none).
+CHUNK_ENTRY = 64
+CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40}
+NO_SLOT = 0x7FFF
+SEALED = 1 << 31
+
+
+def pack_chunk_state(seq: int, sealed: bool, slot: int, lease: int) -> int:
+    return ((seq & 0xFFFFFFFF) << 32) | (SEALED if sealed else 0) | (slot << 16) | (lease & 0xFFFF)
+
+
+def unpack_chunk_state(state: int) -> tuple[int, bool, int, int]:
+    return state >> 32, bool(state & SEALED), (state >> 16) & NO_SLOT, state & 0xFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column: per-step shape and dtype, and where its rows start."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int
+    row_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Every offset of a segment, derived from the schema and the sizes."""
+
+    capacity: int
+    chunk_size: int
+    n_chunks: int
+    max_writers: int
+    columns: tuple[Column, ...]
+    done_column: int
+    slots_offset: int
+    chunks_offset: int
+    total_bytes: int
+
+    def column(self, name: str) -> Column:
+        for col in self.columns:
+            if col.name == name:
+                return col
+        raise KeyError(name)
+
+    @property
+    def user_columns(self) -> tuple[Column, ...]:
+        return tuple(c for c in self.columns if c.name != EP_COLUMN)
+
+    def chunk_field(self, chunk: int, field: str) -> int:
+        return self.chunks_offset + chunk * CHUNK_ENTRY + CHUNK_FIELDS[field]
+
+    def slot_field(self, slot: int, field: str) -> int:
+        return self.slots_offset + slot * SLOT_ENTRY + SLOT_FIELDS[field]
+
+    def chunk_rows(self, chunk: int) -> int:
+        return min(self.chunk_size, self.capacity - chunk * self.chunk_size)
+
+
+def _align(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _positive_int(arg: str, value, upper: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
+    if value <= 0 or (upper is not None and value > upper):
+        limit = f" and at most {upper}" if upper is not None else ""
+        raise ValueError(f"{arg} must be positive{limit}, got {value}")
+    return int(value)
+
+
+def validate_column_name(name) -> str:
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise ValueError(f"spec: column name {name!r} must be a Python identifier")
+    if name.startswith("_"):
+        raise ValueError(f"spec: column name {name!r} may not start with '_' (reserved)")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"spec: column name {name!r} is longer than {MAX_NAME_BYTES} bytes")
+    return name
+
+
+def validate_dtype(name: str, dtype) -> np.dtype:
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"spec[{name!r}]: {dtype!r} is not a numpy dtype") from exc
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
+        raise TypeError(
+            f"spec[{name!r}]: dtype {dt} cannot live in shared memory; "
+            "use a fixed-size numeric, bool or fixed-width string dtype")
+    return dt
+
+
+def validate_shape(name: str, shape) -> tuple[int, ...]:
+    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
+        shape = (shape,)
+    try:
+        dims = tuple(shape)
+    except TypeError as exc:
+        raise TypeError(f"spec[{name!r}]: shape {shape!r} must be a tuple of ints") from exc
+    if len(dims) > MAX_NDIM:
+        raise ValueError(f"spec[{name!r}]: shape {dims} has more than {MAX_NDIM} dims")
+    return tuple(_positive_int(f"spec[{name!r}] shape", d) for d in dims)
+
+
+def normalize_spec(spec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Check a ``{name: (shape, dtype)}`` schema and return it normalised."""
+    if not isinstance(spec, dict) or not spec:
+        raise TypeError(f"spec must be a non-empty dict of name -> (shape, dtype), got {spec!r}")
+    if len(spec) >= MAX_COLUMNS:
+        raise ValueError(f"spec has {len(spec)} columns; at most {MAX_COLUMNS - 1} are supported")
+    out = {}
+    for name, entry in spec.items():
+        validate_column_name(name)
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"spec[{name!r}] must be a (shape, dtype) pair, got {entry!r}")
+        out[name] = (validate_shape(name, entry[0]), validate_dtype(name, entry[1]))
+    return out
+
+
+def default_chunk_size(capacity: int) -> int:
+    """512 rows, or fewer so that even a small buffer has at least 16 chunks."""
+    return max(1, min(DEFAULT_CHUNK_SIZE, capacity // 16))
+
+
+def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
+         done_key="done") -> Layout:
+    """Lay out a segment for ``spec``; raises on any bad argument."""
+    columns_in = normalize_spec(spec)
+    capacity = _positive_int("capacity", capacity, 1 << 40)
+    if chunk_size is None:
+        chunk_size = default_chunk_size(capacity)
+    chunk_size = _positive_int("chunk_size", chunk_size, capacity)
+    max_writers = _positive_int("max_writers", max_writers, NO_SLOT - 1)
+    if done_key == "done" and "done" not in columns_in:
+        done_key = None  # the default names an optional column
+    if done_key is not None:
+        if done_key not in columns_in:
+            raise ValueError(f"done_key {done_key!r} is not a column of spec {sorted(columns_in)}")
+        if columns_in[done_key][0] != ():
+            raise ValueError(f"done_key {done_key!r} must name a per-step scalar column, "
+                             f"but its shape is {columns_in[done_key][0]}")
+    n_chunks = math.ceil(capacity / chunk_size)
+    slots_offset = COLUMN_TABLE + (len(columns_in) + 1) * COLUMN_ENTRY
+    chunks_offset = slots_offset + max_writers * SLOT_ENTRY
+    cursor = _align(chunks_offset + n_chunks * CHUNK_ENTRY, PAGE)
+    columns = []
+    entries = list(columns_in.items()) + [(EP_COLUMN, ((), np.dtype("<i8")))]
+    for name, (shape, dtype) in entries:
+        row_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        columns.append(Column(name, dtype, shape, cursor, row_bytes))
+        cursor = _align(cursor + row_bytes * capacity, PAGE)
+    done = [c.name for c in columns].index(done_key) if done_key is not None else -1
+    return Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
+                  slots_offset, chunks_offset, cursor)
+
+
+def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: int) -> bytes:
+    """The fixed header and the column table, ready to copy to offset 0."""
+    out = bytearray(layout.slots_offset)
+    values = {
+        "magic": MAGIC, "version": LAYOUT_VERSION, "n_columns": len(layout.columns),
+        "total_bytes": layout.total_bytes, "capacity": layout.capacity,
+        "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks,
+        "max_writers": layout.max_writers, "done_column": layout.done_column,
+        "owner_pid": owner_pid, "owner_start": owner_start, "created_ns": created_ns,
+    }
+    for field, (off, fmt) in HEADER_FIELDS.items():
+        struct.pack_into(fmt, out, off, values[field])
+    for i, col in enumerate(layout.columns):
+        shape = list(col.shape) + [0] * (MAX_NDIM - len(col.shape))
+        COLUMN_STRUCT.pack_into(out, COLUMN_TABLE + i * COLUMN_ENTRY, col.name.encode(),
+                                col.dtype.str.encode(), len(col.shape), *shape,
+                                col.offset, col.row_bytes)
+    return bytes(out)
+
+
+def read_field(buf, field: str) -> int:
+    off, fmt = HEADER_FIELDS[field]
+    return struct.unpack_from(fmt, buf, off)[0]
+
+
+def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
+    """Parse and check the header of segment ``name``; trust nothing in it.
+
+    Returns the layout and the owner fields.  Raises CorruptSegmentError (or
+    LayoutVersionError) naming the segment and what does not add up.
+    """
+    def bad(why):
+        return CorruptSegmentError(f"segment {name!r} is not a usable shmbuf buffer: {why}")
+
+    if segment_bytes < COLUMN_TABLE:
+        raise bad(f"it is {segment_bytes} bytes, smaller than a header ({COLUMN_TABLE})")
+    head = {f: read_field(buf, f) for f in HEADER_FIELDS}
+    if head["magic"] != MAGIC:
+        raise bad(f"magic is {head['magic']:#018x}, expected {MAGIC:#018x}")
+    if head["version"] != LAYOUT_VERSION:
+        raise LayoutVersionError(
+            f"segment {name!r} has layout version {head['version']} but this shmbuf reads "
+            f"version {LAYOUT_VERSION}; create a new buffer or use a matching shmbuf")
+    if head["total_bytes"] != segment_bytes:
+        raise bad(f"header says {head['total_bytes']} bytes but the segment has {segment_bytes}")
+    n_columns = head["n_columns"]
+    if not 2 <= n_columns <= MAX_COLUMNS or COLUMN_TABLE + n_columns * COLUMN_ENTRY > segment_bytes:
+        raise bad(f"column count {n_columns} is out of range")
+    spec = {}
+    for i in range(n_columns):
+        raw = COLUMN_STRUCT.unpack_from(buf, COLUMN_TABLE + i * COLUMN_ENTRY)
+        try:
+            cname = raw[0].rstrip(b"\0").decode()
+            dtype = np.dtype(raw[1].rstrip(b"\0").decode())
+        except (UnicodeDecodeError, TypeError, ValueError) as exc:
+            raise bad(f"column {i} has an unreadable name or dtype ({exc})") from None
+        ndim = raw[2]
+        if ndim > MAX_NDIM:
+            raise bad(f"column {cname!r} claims {ndim} dims")
+        spec[cname] = (tuple(raw[3:3 + ndim]), dtype, raw[11], raw[12])
+    if list(spec)[-1] != EP_COLUMN or spec[EP_COLUMN][:2] != ((), np.dtype("<i8")):
+        raise bad("the internal episode column is missing or malformed")
+    user = {k: v[:2] for k, v in spec.items() if k != EP_COLUMN}
+    done = head["done_column"]
+    done_key = list(spec)[done] if 0 <= done < n_columns - 1 else None
+    if done != -1 and done_key is None:
+        raise bad(f"done column index {done} is out of range")
+    try:
+        layout = plan(user, head["capacity"], chunk_size=head["chunk_size"],
+                      max_writers=head["max_writers"], done_key=done_key)
+    except (TypeError, ValueError) as exc:
+        raise bad(f"its schema or sizes are invalid ({exc})") from None
+    stored = [(c.offset, c.row_bytes) for c in layout.columns]
+    if stored != [v[2:] for v in spec.values()]:
+        raise bad("column offsets do not match the layout they describe")
+    if (layout.n_chunks, layout.total_bytes) != (head["n_chunks"], head["total_bytes"]):
+        raise bad("chunk count or total size does not match the layout")
+    owner = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns")}
+    return layout, owner

@@ -1,0 +1,422 @@
+"""The shared step store: one buffer of named columns in one POSIX segment."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import weakref
+
+import numpy as np
+
+from . import _atomic as atomic
+from ._errors import BufferClosedError, SampleRetryError, WaitTimeoutError
+from ._layout import (EP_COLUMN, NO_SLOT, Layout, decode_header, encode_header,
+                      pack_chunk_state, plan)
+from ._procs import is_alive, my_start_time
+from ._ring import Ring
+from ._segment import Segment, generate_name, validate_name
+from .sampling import WindowFinder
+from .writer import Writer
+
+_MAX_REDRAWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counters of a buffer, read from its header by any attached process.
+
+    Steps are numbered in global write order: ``oldest_step`` and
+    ``newest_step`` bound the live ones.  Counts taken while writers join,
+    leave or die may be off by the steps of that one writer for an instant.
+    """
+
+    name: str
+    capacity: int
+    chunk_size: int
+    n_chunks: int
+    steps_written: int
+    live_steps: int
+    oldest_step: int
+    newest_step: int
+    chunks_in_use: int
+    writers: int
+    streams: int
+    samples: int
+    owner_pid: int
+    owner_alive: bool
+
+
+def _finalize(segment: Segment, unlink_in_pid: int | None) -> None:
+    # Owners unlink only in the process that created the buffer: a forked
+    # child that inherits the object must never destroy the trainer's data.
+    if unlink_in_pid == os.getpid():
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+    segment.close()
+
+
+class Buffer:
+    """A replay buffer in shared memory; make one with ``create`` or ``attach``.
+
+    Pickling a buffer sends its name: the receiving process attaches to the
+    same live memory and never unlinks it.
+    """
+
+    _segment = None
+    _closed = True
+    owner = False
+
+    def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], seed=None):
+        self._segment = segment
+        self._layout = layout
+        self._owner_pid, self._owner_start = owner
+        self._ring = Ring(segment.mmap, layout)
+        self._views = {
+            c.name: np.ndarray((layout.capacity,) + c.shape, c.dtype, segment.mmap, c.offset)
+            for c in layout.columns}
+        self._finder = WindowFinder(self._ring, self._views[EP_COLUMN])
+        self._rng = np.random.default_rng(seed)
+        self.owner = segment.owner
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _finalize, segment,
+                                           os.getpid() if segment.owner else None)
+
+    # -- identity -----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The segment's name, for ``shmbuf.attach(name)``."""
+        return self._segment.name
+
+    @property
+    def capacity(self) -> int:
+        """Steps the buffer holds before the oldest are recycled."""
+        return self._layout.capacity
+
+    @property
+    def chunk_size(self) -> int:
+        return self._layout.chunk_size
+
+    @property
+    def spec(self) -> dict:
+        """``{column: (shape, dtype)}``, as given to ``create``."""
+        return {c.name: (c.shape, c.dtype) for c in self._layout.user_columns}
+
+    @property
+    def done_key(self) -> str | None:
+        lay = self._layout
+        return lay.columns[lay.done_column].name if lay.done_column >= 0 else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"buffer {self._segment.name!r} is closed")
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Zero-copy numpy views of each column's whole storage, ``(capacity, *shape)``."""
+        self._check_open()
+        return {c.name: self._views[c.name] for c in self._layout.user_columns}
+
+    @property
+    def tensors(self) -> dict:
+        """Zero-copy torch views of the same storage (imports torch on first use)."""
+        import torch
+
+        return {k: torch.from_numpy(v) for k, v in self.arrays.items()}
+
+    # -- writing --------------------------------------------------------------
+    def writer(self) -> Writer:
+        """Claim a writer slot and return a ``Writer`` for this process.
+
+        Example:
+            >>> w = buf.writer()
+            >>> w.add(obs=o, action=a, reward=r, done=d)
+        """
+        self._check_open()
+        return Writer(self)
+
+    # -- sampling -------------------------------------------------------------
+    def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
+                         out: dict | None = None, rng=None) -> dict:
+        """Draw ``batch_size`` windows of ``length`` consecutive steps.
+
+        Start steps are uniform over every valid start: a window lies in one
+        writer stream and never continues past a terminal step (it may end on
+        one).  Rows recycled while they were copied are redrawn, so no torn or
+        overwritten step is ever returned.
+
+        Args:
+            batch_size: windows per batch, >= 1.
+            length: steps per window, 1 <= length <= capacity.
+            time_major: arrays are ``(length, batch, ...)`` if True, else
+                ``(batch, length, ...)``.
+            out: optional dict of preallocated numpy arrays or torch tensors
+                (pinned ones included) of exactly that shape and dtype.
+            rng: a ``np.random.Generator`` or an int seed; default the
+                buffer's own generator (``seed=`` of create/attach).
+
+        Returns:
+            ``{column: array}``, fresh arrays or the ``out`` objects.
+
+        Raises:
+            NotEnoughDataError: no valid window exists yet.
+            ValueError / TypeError: a bad argument; nothing is sampled.
+
+        Example:
+            >>> batch = buf.sample_sequences(50, 50)
+            >>> batch["obs"].shape   # (50, 50, 3, 64, 64)
+        """
+        self._check_open()
+        batch_size = _count("batch_size", batch_size, 1 << 24)
+        length = _count("length", length, self._layout.capacity)
+        gen = self._rng if rng is None else np.random.default_rng(rng)
+        lead = (length, batch_size) if time_major else (batch_size, length)
+        targets = _prepare_out(out, self.spec, lead)
+        windows = self._finder.draw(gen, batch_size, length)
+        pending = np.arange(batch_size)
+        for _ in range(_MAX_REDRAWS):
+            self._gather(windows.rows, pending, targets, time_major, batch_size)
+            stale = ~self._finder.still_valid(windows)
+            if not stale.any():
+                self._ring.bump("samples")
+                return {k: t.result for k, t in targets.items()}
+            pending = pending[stale]
+            windows = self._finder.draw(gen, len(pending), length)
+        raise SampleRetryError(
+            f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
+            f"(capacity {self.capacity}) is too small for its ingest rate")
+
+    def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None) -> dict:
+        """Draw ``batch_size`` single steps uniformly: ``{column: (batch, ...)}``.
+
+        Args and Raises are those of ``sample_sequences`` with ``length=1``.
+
+        Example:
+            >>> buf.sample_steps(256)["reward"].shape   # (256,)
+        """
+        self._check_open()
+        if out is None:
+            batch = self.sample_sequences(batch_size, 1, rng=rng)
+            return {k: v[0] for k, v in batch.items()}
+        if not isinstance(out, dict):
+            raise ValueError(f"out must be a dict of arrays, got {type(out).__name__}")
+        lifted = {k: (v.unsqueeze(0) if hasattr(v, "unsqueeze") else np.asarray(v)[None])
+                  for k, v in out.items()}
+        self.sample_sequences(batch_size, 1, out=lifted, rng=rng)
+        return out
+
+    def _gather(self, rows, pending, targets, time_major, batch_size) -> None:
+        idx = np.ascontiguousarray(rows.T) if time_major else rows
+        everything = len(pending) == batch_size
+        for name, target in targets.items():
+            src = self._views[name]
+            if everything and target.array is not None:
+                np.take(src, idx, axis=0, out=target.array, mode="clip")
+            else:
+                target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
+
+    # -- waiting and counters ---------------------------------------------------
+    def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
+        """Block until at least ``min_steps`` steps are live; return the count.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``min_steps`` exceeds the capacity (it could never be met).
+
+        Example:
+            >>> buf.wait_ready(min_steps=5_000, timeout=60)
+        """
+        self._check_open()
+        min_steps = _count("min_steps", min_steps, self._layout.capacity)
+        if timeout is not None and not timeout >= 0:
+            raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 1e-4
+        while True:
+            live = self._ring.live_steps()
+            if live >= min_steps:
+                return live
+            if deadline is not None and time.monotonic() >= deadline:
+                raise WaitTimeoutError(
+                    f"buffer {self.name!r} holds {live} live steps after {timeout} s; "
+                    f"wait_ready wanted {min_steps}. Are the writers running?")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+
+    def stats(self) -> Stats:
+        """A snapshot of the header counters (see ``Stats``)."""
+        self._check_open()
+        ring, lay = self._ring, self._layout
+        written = ring.steps_written()
+        evicted = ring.counter("evicted")
+        alive = sum(ring.slot_alive(s) for s in range(lay.max_writers)
+                    if ring.slot_table[s, 0] & 0xFFFFFFFF)
+        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, written,
+                     ring.live_steps(), evicted, written - 1, ring.chunks_in_use(), alive,
+                     ring.counter("next_stream"), ring.counter("samples"),
+                     self._owner_pid, is_alive(self._owner_pid, self._owner_start))
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Unmap the buffer in this process; the owner also unlinks it.  Idempotent.
+
+        Views from ``arrays`` stay valid (they keep the mapping alive) but
+        every buffer method raises BufferClosedError afterwards.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._views = self._ring = self._finder = None
+        self._finalizer()
+
+    def unlink(self) -> None:
+        """Remove the segment name now (owner only); attached processes keep their mapping."""
+        if not self.owner:
+            raise PermissionError(
+                f"buffer {self.name!r} was attached, not created, here; only its owner "
+                f"unlinks it (or run 'python -m shmbuf rm {self.name}')")
+        try:
+            self._segment.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return attach, (self.name,)
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"capacity={self.capacity}"
+        return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
+
+
+class _Target:
+    """Where one column of a batch goes: a numpy array, or a tensor via a view."""
+
+    def __init__(self, obj, shape, dtype, name):
+        self.result = obj
+        self.tensor = None
+        if obj is None:
+            self.array = np.empty(shape, dtype)
+            self.result = self.array
+            return
+        if type(obj).__module__.startswith("torch"):
+            self.tensor = obj
+            self.array = obj.numpy() if obj.device.type == "cpu" else None
+            got_shape, got_dtype = tuple(obj.shape), _torch_to_numpy_dtype(obj.dtype)
+        else:
+            if not isinstance(obj, np.ndarray):
+                raise TypeError(f"out[{name!r}] must be a numpy array or torch tensor, "
+                                f"got {type(obj).__name__}")
+            self.array = obj
+            got_shape, got_dtype = obj.shape, obj.dtype
+        if got_shape != shape or got_dtype != dtype:
+            raise ValueError(f"out[{name!r}] must have shape {shape} and dtype {dtype}, "
+                             f"got {got_shape} and {got_dtype}")
+        if self.array is not None and not self.array.flags.c_contiguous:
+            raise ValueError(f"out[{name!r}] must be C-contiguous")
+
+    def put(self, values, pending, time_major):
+        if self.array is not None:
+            if time_major:
+                self.array[:, pending] = values
+            else:
+                self.array[pending] = values
+            return
+        import torch
+
+        index = (slice(None), torch.from_numpy(pending)) if time_major else torch.from_numpy(pending)
+        self.tensor[index] = torch.from_numpy(values).to(self.tensor.device)
+
+
+def _prepare_out(out, spec, lead):
+    if out is not None and (not isinstance(out, dict) or out.keys() != spec.keys()):
+        raise ValueError(f"out must be a dict with exactly the keys {sorted(spec)}, "
+                         f"got {sorted(out) if isinstance(out, dict) else type(out).__name__}")
+    targets = {}
+    for name, (shape, dtype) in spec.items():
+        obj = None if out is None else out[name]
+        targets[name] = _Target(obj, lead + shape, dtype, name)
+    return targets
+
+
+def _count(arg: str, value, upper: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
+    if not 1 <= value <= upper:
+        raise ValueError(f"{arg} must be between 1 and {upper}, got {value}")
+    return int(value)
+
+
+def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
+           max_writers: int = 128, done_key: str | None = "done", seed=None,
+           prefault: bool = True) -> Buffer:
+    """Create a buffer in a new shared-memory segment; the caller owns it.
+
+    Args:
+        spec: ``{column: (per-step shape, numpy dtype)}``.
+        capacity: steps held before the oldest chunk is recycled.
+        name: segment name (letters, digits, ``._-``); generated if None.
+        chunk_size: steps per chunk; default ``min(512, capacity // 16)``.
+        max_writers: writer objects that may be open at once.
+        done_key: the scalar column whose true value ends an episode, or None.
+        seed: seed of the buffer's own random generator.
+        prefault: map every page now, so that ingest never page-faults.
+
+    Returns:
+        The owning ``Buffer``; closing it (or dropping it, or exiting) unlinks
+        the segment.
+
+    Raises:
+        ValueError / TypeError: a bad argument, before any system call.
+        SegmentExistsError: ``name`` is taken.
+        SharedMemoryFullError: /dev/shm is too small; nothing is left behind.
+
+    Example:
+        >>> spec = {"obs": ((3, 64, 64), np.uint8), "done": ((), np.bool_)}
+        >>> with shmbuf.create(spec, capacity=100_000) as buf:
+        ...     print(buf.name)
+    """
+    layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
+                  done_key=done_key)
+    name = generate_name() if name is None else validate_name(name)
+    segment = Segment.create(name, layout.total_bytes, populate=prefault)
+    try:
+        owner = (os.getpid(), my_start_time())
+        header = encode_header(layout, *owner, time.time_ns())
+        segment.mmap[:len(header)] = header
+        ring = Ring(segment.mmap, layout)
+        ring.chunk_table[:, 0] = pack_chunk_state(0, True, NO_SLOT, 0)  # free to claim
+        atomic.fence_seq_cst()
+        return Buffer(segment, layout, owner, seed)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+
+
+def attach(name: str, *, seed=None) -> Buffer:
+    """Attach to an existing buffer by name; the result never unlinks it.
+
+    Raises:
+        SegmentNotFoundError: no segment has that name.
+        CorruptSegmentError / LayoutVersionError: it is not a readable shmbuf buffer.
+
+    Example:
+        >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
+    """
+    segment = Segment.attach(name)
+    try:
+        if segment.mmap is None:
+            decode_header(b"", 0, name)
+        layout, owner = decode_header(segment.mmap, segment.size, name)
+        return Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), seed)
+    except BaseException:
+        segment.close()
+        raise
