@@ -21,6 +21,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   256  evicted       Q    atomic: committed steps dropped by recycling
   320  retired       Q    atomic: steps counted by writer slots that were freed since
   384  samples       Q    atomic: sample calls served
+  448  retired_eps   Q    atomic: episodes counted by writer slots that were freed since
   512  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots  max_writers x 64 B, see SLOT_FIELDS
    ..  chunk table   n_chunks x 64 B, see CHUNK_FIELDS
@@ -66,7 +67,8 @@ HEADER_FIELDS = {
     "owner_start": (72, "<Q"),
     "created_ns": (80, "<Q"),
 }
-COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384}
+COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384,
+            "retired_eps": 448}
 COLUMN_TABLE = 512
 COLUMN_ENTRY = 256
 COLUMN_STRUCT = struct.Struct("<64s32sQ8QQQ")

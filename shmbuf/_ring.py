@@ -53,6 +53,9 @@ class Ring:
     def steps_written(self) -> int:
         return self.counter("retired") + int(self.slot_table[:, 2].sum())
 
+    def episodes_ended(self) -> int:
+        return self.counter("retired_eps") + int(self.slot_table[:, 4].sum())
+
     # -- writer slots ---------------------------------------------------
     def claim_slot(self) -> tuple[int, int]:
         """Take a free slot, or the slot of a dead process; return (slot, lease)."""
@@ -76,10 +79,11 @@ class Ring:
             "close unused writers or create the buffer with a larger max_writers")
 
     def _retire_steps(self, slot: int) -> None:
-        off = self.layout.slot_field(slot, "steps")
-        steps = atomic.load_acquire(self.mm, off)
-        atomic.store_release(self.mm, off, 0)
-        self.bump("retired", steps)
+        for field, counter in (("steps", "retired"), ("episodes", "retired_eps")):
+            off = self.layout.slot_field(slot, field)
+            value = atomic.load_acquire(self.mm, off)
+            atomic.store_release(self.mm, off, 0)
+            self.bump(counter, value)
 
     def release_slot(self, slot: int, lease: int) -> None:
         off = self.layout.slot_field(slot, "state")
@@ -108,34 +112,44 @@ class Ring:
     def claim_chunk(self, slot: int, lease: int, stream: int) -> tuple[int, int]:
         """Recycle the oldest chunk no live writer is filling; return (chunk, seq).
 
-        The chunk's seq goes odd (claimed, being reset) and then even again
-        with count 0: a reader that saw the old seq fails validation.
+        Round-robin tickets make the chunk claimed longest ago the next one
+        recycled: FIFO eviction across all writers.
         """
         n = self.layout.n_chunks
         for _ in range(2 * n + 2):
             ticket = self.bump("ticket")
-            chunk = ticket % n
-            off = self.layout.chunk_field(chunk, "state")
-            state = atomic.load_acquire(self.mm, off)
-            seq, sealed, owner, owner_lease = unpack_chunk_state(state)
-            busy = seq & 1 or not sealed
-            if busy and owner != NO_SLOT and self.slot_alive(owner, owner_lease):
-                continue  # a live writer is still filling (or resetting) it
-            odd = (seq + 1 + (seq & 1)) & _U32
-            if not atomic.compare_exchange(self.mm, off, state,
-                                           pack_chunk_state(odd, False, slot, lease)):
-                continue
-            self._evict(chunk)
-            for field, value in (("next", 0), ("next_seq", 0), ("stream", stream),
-                                 ("ticket", ticket)):
-                atomic.store_release(self.mm, self.layout.chunk_field(chunk, field), value)
-            even = (odd + 1) & _U32
-            atomic.store_release(self.mm, off, pack_chunk_state(even, False, slot, lease))
-            return chunk, even
+            seq = self.recycle(ticket % n, slot, lease, stream, ticket)
+            if seq is not None:
+                return ticket % n, seq
         raise NoFreeChunkError(
             f"all {n} chunks of {self.layout.chunk_size} steps are held by live writer "
             "streams; create the buffer with a smaller chunk_size or a larger capacity, "
             "or use fewer writer streams")
+
+    def recycle(self, chunk: int, slot: int, lease: int, stream: int, ticket: int) -> int | None:
+        """Empty ``chunk`` for ``slot`` unless a live writer holds it; return its new seq.
+
+        The seq goes odd (claimed, being reset) and then even again with count
+        0, so a reader that saw the old seq fails validation.  With ``slot ==
+        NO_SLOT`` the chunk ends up sealed and ownerless: free, and empty.
+        """
+        off = self.layout.chunk_field(chunk, "state")
+        state = atomic.load_acquire(self.mm, off)
+        seq, sealed, owner, owner_lease = unpack_chunk_state(state)
+        busy = seq & 1 or not sealed
+        if busy and owner != NO_SLOT and self.slot_alive(owner, owner_lease):
+            return None  # a live writer is still filling (or resetting) it
+        odd = (seq + 1 + (seq & 1)) & _U32
+        if not atomic.compare_exchange(self.mm, off, state,
+                                       pack_chunk_state(odd, False, slot, lease)):
+            return None
+        self._evict(chunk)
+        for field, value in (("next", 0), ("next_seq", 0), ("stream", stream),
+                             ("ticket", ticket)):
+            atomic.store_release(self.mm, self.layout.chunk_field(chunk, field), value)
+        even = (odd + 1) & _U32
+        atomic.store_release(self.mm, off, pack_chunk_state(even, slot == NO_SLOT, slot, lease))
+        return even
 
     def _evict(self, chunk: int) -> None:
         off = self.layout.chunk_field(chunk, "count")

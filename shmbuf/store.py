@@ -9,12 +9,14 @@ import weakref
 import numpy as np
 
 from . import _atomic as atomic
+from . import _checkpoint
 from ._errors import BufferClosedError, SampleRetryError, WaitTimeoutError
 from ._layout import (EP_COLUMN, NO_SLOT, Layout, decode_header, encode_header,
                       pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
 from ._segment import Segment, generate_name, validate_name
+from ._out import prepare_out as _prepare_out
 from .sampling import WindowFinder
 from .writer import Writer
 
@@ -36,6 +38,7 @@ class Stats:
     n_chunks: int
     steps_written: int
     live_steps: int
+    episodes: int
     oldest_step: int
     newest_step: int
     chunks_in_use: int
@@ -254,9 +257,40 @@ class Buffer:
         alive = sum(ring.slot_alive(s) for s in range(lay.max_writers)
                     if ring.slot_table[s, 0] & 0xFFFFFFFF)
         return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, written,
-                     ring.live_steps(), evicted, written - 1, ring.chunks_in_use(), alive,
+                     ring.live_steps(), ring.episodes_ended(), evicted, written - 1, ring.chunks_in_use(), alive,
                      ring.counter("next_stream"), ring.counter("samples"),
                      self._owner_pid, is_alive(self._owner_pid, self._owner_start))
+
+    # -- checkpoints --------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Copy every live step, oldest first, for a checkpoint.
+
+        Returns:
+            ``{"format", "spec", "columns": {col: (n, ...) array}, "stream": (n,),
+            "episode": (n,)}``: numpy arrays and plain Python values only.
+
+        Example:
+            >>> np.savez("ckpt.npz", **buf.snapshot()["columns"])
+        """
+        self._check_open()
+        return _checkpoint.snapshot(self)
+
+    def restore(self, state: dict) -> None:
+        """Replace the contents with a ``snapshot()``; the capacity stays this buffer's.
+
+        Streams, episode boundaries and their order are kept; a snapshot
+        larger than the capacity keeps its newest steps.  Chunks that live
+        writers are filling right now are left as they are.
+
+        Raises:
+            ValueError: the snapshot's schema, shapes or dtypes differ; nothing
+                is changed.
+
+        Example:
+            >>> fresh.restore(buf.snapshot())
+        """
+        self._check_open()
+        _checkpoint.restore(self, state)
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
@@ -294,56 +328,6 @@ class Buffer:
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"
         return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
-
-
-class _Target:
-    """Where one column of a batch goes: a numpy array, or a tensor via a view."""
-
-    def __init__(self, obj, shape, dtype, name):
-        self.result = obj
-        self.tensor = None
-        if obj is None:
-            self.array = np.empty(shape, dtype)
-            self.result = self.array
-            return
-        if type(obj).__module__.startswith("torch"):
-            self.tensor = obj
-            self.array = obj.numpy() if obj.device.type == "cpu" else None
-            got_shape, got_dtype = tuple(obj.shape), _torch_to_numpy_dtype(obj.dtype)
-        else:
-            if not isinstance(obj, np.ndarray):
-                raise TypeError(f"out[{name!r}] must be a numpy array or torch tensor, "
-                                f"got {type(obj).__name__}")
-            self.array = obj
-            got_shape, got_dtype = obj.shape, obj.dtype
-        if got_shape != shape or got_dtype != dtype:
-            raise ValueError(f"out[{name!r}] must have shape {shape} and dtype {dtype}, "
-                             f"got {got_shape} and {got_dtype}")
-        if self.array is not None and not self.array.flags.c_contiguous:
-            raise ValueError(f"out[{name!r}] must be C-contiguous")
-
-    def put(self, values, pending, time_major):
-        if self.array is not None:
-            if time_major:
-                self.array[:, pending] = values
-            else:
-                self.array[pending] = values
-            return
-        import torch
-
-        index = (slice(None), torch.from_numpy(pending)) if time_major else torch.from_numpy(pending)
-        self.tensor[index] = torch.from_numpy(values).to(self.tensor.device)
-
-
-def _prepare_out(out, spec, lead):
-    if out is not None and (not isinstance(out, dict) or out.keys() != spec.keys()):
-        raise ValueError(f"out must be a dict with exactly the keys {sorted(spec)}, "
-                         f"got {sorted(out) if isinstance(out, dict) else type(out).__name__}")
-    targets = {}
-    for name, (shape, dtype) in spec.items():
-        obj = None if out is None else out[name]
-        targets[name] = _Target(obj, lead + shape, dtype, name)
-    return targets
 
 
 def _count(arg: str, value, upper: int) -> int:

@@ -54,12 +54,15 @@ class Writer:
         self._names = set(buffer._views) - {"_ep"}
         self._ep_col = buffer._views["_ep"]
         self._done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
+        self._done_index = lay.done_column
         self._bind()
 
     def _bind(self) -> None:
         self._pid = os.getpid()
         self._slot, self._lease = self._ring.claim_slot()
         self._steps_off = self._ring.layout.slot_field(self._slot, "steps")
+        self._episodes_off = self._ring.layout.slot_field(self._slot, "episodes")
+        self._episodes = 0
         self._streams_off = self._ring.layout.slot_field(self._slot, "streams")
         self._steps = 0
         self._solo = None
@@ -142,8 +145,10 @@ class Writer:
         self._ep_col[row] = s.ep[0]
         s.fill[0] = fill + 1
         atomic.store_release(self._mm, int(s.count_off[0]), fill + 1)
-        if self._done is not None and columns[self._done]:
+        if self._done is not None and values[self._done_index]:
             s.ep[0] += 1
+            self._episodes += 1
+            atomic.store_release(self._mm, self._episodes_off, self._episodes)
         self._steps += 1
         atomic.store_release(self._mm, self._steps_off, self._steps)
 
@@ -182,7 +187,10 @@ class Writer:
         s.fill += 1
         atomic.store_many(self._mm, s.count_off, s.fill)
         if self._done is not None:
-            s.ep += np.asarray(columns[self._done]).astype(bool)
+            ended = np.asarray(values[self._done_index]).astype(bool)
+            s.ep += ended
+            self._episodes += int(ended.sum())
+            atomic.store_release(self._mm, self._episodes_off, self._episodes)
         self._steps += n
         atomic.store_release(self._mm, self._steps_off, self._steps)
 
