@@ -16,13 +16,17 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    64  owner_pid     Q    pid of the creating process
    72  owner_start   Q    its start time in clock ticks after boot (/proc/PID/stat #22)
    80  created_ns    Q    wall clock at create, time.time_ns()
+   88  kind          Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
+   96  meta_bytes    Q    length of the JSON metadata at 1024
   128  ticket        Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
   192  next_stream   Q    atomic: stream ids handed out so far
   256  evicted       Q    atomic: committed steps dropped by recycling
   320  retired       Q    atomic: steps counted by writer slots that were freed since
   384  samples       Q    atomic: sample calls served
   448  retired_eps   Q    atomic: episodes counted by writer slots that were freed since
-  512  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
+  512  serial        Q    atomic: serial numbers handed out by Buffer.next_serial()
+ 1024  meta          JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
+ 2048  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots  max_writers x 64 B, see SLOT_FIELDS
    ..  chunk table   n_chunks x 64 B, see CHUNK_FIELDS
    ..  columns       capacity x row_bytes each, each starting on a page boundary
@@ -33,6 +37,7 @@ writers touching different entries never share a line.
 from __future__ import annotations
 
 import dataclasses
+import json
 import keyword
 import math
 import struct
@@ -43,6 +48,7 @@ from ._errors import CorruptSegmentError, LayoutVersionError
 
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
 LAYOUT_VERSION = 1
+KIND_STORE, KIND_KEYED = 0, 1
 LINE = 64
 PAGE = 4096
 MAX_NDIM = 8
@@ -66,10 +72,14 @@ HEADER_FIELDS = {
     "owner_pid": (64, "<Q"),
     "owner_start": (72, "<Q"),
     "created_ns": (80, "<Q"),
+    "kind": (88, "<Q"),
+    "meta_bytes": (96, "<Q"),
 }
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384,
-            "retired_eps": 448}
-COLUMN_TABLE = 512
+            "retired_eps": 448, "serial": 512}
+META = 1024
+MAX_META = 1024
+COLUMN_TABLE = 2048
 COLUMN_ENTRY = 256
 COLUMN_STRUCT = struct.Struct("<64s32sQ8QQQ")
 
@@ -238,15 +248,29 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
                   slots_offset, chunks_offset, cursor)
 
 
-def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: int) -> bytes:
+def encode_meta(meta) -> bytes:
+    """``meta`` as the header's JSON bytes; raises if it is not small plain data."""
+    try:
+        raw = json.dumps(meta if meta is not None else {}, sort_keys=True).encode()
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"meta must be JSON-serialisable plain data, got {meta!r} ({exc})") from None
+    if len(raw) > MAX_META:
+        raise ValueError(f"meta is {len(raw)} bytes as JSON; at most {MAX_META}")
+    return raw
+
+
+def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: int,
+                  kind: int = 0, meta: bytes = b"{}") -> bytes:
     """The fixed header and the column table, ready to copy to offset 0."""
     out = bytearray(layout.slots_offset)
+    out[META:META + len(meta)] = meta
     values = {
         "magic": MAGIC, "version": LAYOUT_VERSION, "n_columns": len(layout.columns),
         "total_bytes": layout.total_bytes, "capacity": layout.capacity,
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks,
         "max_writers": layout.max_writers, "done_column": layout.done_column,
         "owner_pid": owner_pid, "owner_start": owner_start, "created_ns": created_ns,
+        "kind": kind, "meta_bytes": len(meta),
     }
     for field, (off, fmt) in HEADER_FIELDS.items():
         struct.pack_into(fmt, out, off, values[field])
@@ -315,5 +339,14 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         raise bad("column offsets do not match the layout they describe")
     if (layout.n_chunks, layout.total_bytes) != (head["n_chunks"], head["total_bytes"]):
         raise bad("chunk count or total size does not match the layout")
-    owner = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns")}
+    if head["kind"] not in (0, 1) or head["meta_bytes"] > MAX_META:
+        raise bad(f"kind {head['kind']} or metadata length {head['meta_bytes']} is out of range")
+    try:
+        meta = json.loads(bytes(buf[META:META + head["meta_bytes"]]).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise bad(f"its metadata is not JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise bad(f"its metadata is {type(meta).__name__}, expected an object")
+    owner = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns", "kind")}
+    owner["meta"] = meta
     return layout, owner

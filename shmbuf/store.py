@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 import weakref
@@ -10,9 +11,9 @@ import numpy as np
 
 from . import _atomic as atomic
 from . import _checkpoint
-from ._errors import BufferClosedError, SampleRetryError, WaitTimeoutError
-from ._layout import (EP_COLUMN, NO_SLOT, Layout, decode_header, encode_header,
-                      pack_chunk_state, plan)
+from ._errors import BufferClosedError, CorruptSegmentError, SampleRetryError, WaitTimeoutError
+from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, Layout, decode_header, encode_header,
+                      encode_meta, pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
 from ._segment import Segment, generate_name, validate_name
@@ -71,10 +72,12 @@ class Buffer:
     _closed = True
     owner = False
 
-    def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], seed=None):
+    def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
+                 seed=None):
         self._segment = segment
         self._layout = layout
         self._owner_pid, self._owner_start = owner
+        self._meta = meta
         self._ring = Ring(segment.mmap, layout)
         self._views = {
             c.name: np.ndarray((layout.capacity,) + c.shape, c.dtype, segment.mmap, c.offset)
@@ -105,6 +108,16 @@ class Buffer:
     def spec(self) -> dict:
         """``{column: (shape, dtype)}``, as given to ``create``."""
         return {c.name: (c.shape, c.dtype) for c in self._layout.user_columns}
+
+    @property
+    def meta(self) -> dict:
+        """The JSON metadata given to ``create`` (facades keep their parameters here)."""
+        return dict(self._meta)
+
+    def next_serial(self) -> int:
+        """A buffer-wide serial number, unique across all processes (0, 1, 2, ...)."""
+        self._check_open()
+        return self._ring.bump("serial")
 
     @property
     def done_key(self) -> str | None:
@@ -340,7 +353,7 @@ def _count(arg: str, value, upper: int) -> int:
 
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
-           prefault: bool = True) -> Buffer:
+           prefault: bool = True, meta: dict | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -352,6 +365,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         done_key: the scalar column whose true value ends an episode, or None.
         seed: seed of the buffer's own random generator.
         prefault: map every page now, so that ingest never page-faults.
+        meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
 
     Returns:
         The owning ``Buffer``; closing it (or dropping it, or exiting) unlinks
@@ -369,16 +383,17 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     """
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
                   done_key=done_key)
+    raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
     segment = Segment.create(name, layout.total_bytes, populate=prefault)
     try:
         owner = (os.getpid(), my_start_time())
-        header = encode_header(layout, *owner, time.time_ns())
+        header = encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta)
         segment.mmap[:len(header)] = header
         ring = Ring(segment.mmap, layout)
         ring.chunk_table[:, 0] = pack_chunk_state(0, True, NO_SLOT, 0)  # free to claim
         atomic.fence_seq_cst()
-        return Buffer(segment, layout, owner, seed)
+        return Buffer(segment, layout, owner, json.loads(raw_meta), seed)
     except BaseException:
         segment.unlink()
         segment.close()
@@ -400,7 +415,12 @@ def attach(name: str, *, seed=None) -> Buffer:
         if segment.mmap is None:
             decode_header(b"", 0, name)
         layout, owner = decode_header(segment.mmap, segment.size, name)
-        return Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), seed)
+        if owner["kind"] != KIND_STORE:
+            raise CorruptSegmentError(
+                f"segment {name!r} holds keyed rings (a HistoryBuffer), not a step store; "
+                "attach it with shmbuf.HistoryBuffer.attach")
+        return Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]),
+                      owner["meta"], seed)
     except BaseException:
         segment.close()
         raise

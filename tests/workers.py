@@ -68,3 +68,102 @@ def write_steps(buf, writer_id: int, n_steps: int, episode_len: int = 37) -> int
         for step in episode_steps(writer_id, n_steps, episode_len):
             w.add(**step)
     return n_steps
+
+
+# -- additions for test_sampling.py and test_multiprocess.py -----------------------
+#
+# A vectorised env writes one stream per env row; each row is encoded exactly like
+# a solo writer's step with the row's stream id in the ``writer`` field, so
+# ``verify_window`` checks batch streams unchanged.
+
+
+def batch_step(ids, pos, episode, t, done) -> dict:
+    """Columns of one ``add_batch`` call: row i is step ``pos[i]`` of stream ``ids[i]``."""
+    rows = [step_for(int(w), int(p), int(e), int(s), bool(d))
+            for w, p, e, s, d in zip(ids, pos, episode, t, done)]
+    return {k: np.stack([np.asarray(r[k]) for r in rows]) for k in SPEC}
+
+
+class EnvCursor:
+    """Position, episode and step-in-episode of ``n_envs`` streams ``first_id + env``.
+
+    Env ``e`` has episodes of ``5 + 3 * e`` steps; env ``e`` with ``e % 3 == 1`` is
+    also cut by ``end_episode`` (a time limit) every ``7 + e`` steps, so terminals and
+    cuts never line up across envs.
+    """
+
+    def __init__(self, first_id: int, n_envs: int):
+        self.ids = np.arange(first_id, first_id + n_envs)
+        self.pos = np.zeros(n_envs, np.int64)
+        self.episode = np.zeros(n_envs, np.int64)
+        self.t = np.zeros(n_envs, np.int64)
+        self.episode_len = 5 + 3 * np.arange(n_envs)
+
+    def next_batch(self) -> dict:
+        done = self.t == self.episode_len - 1
+        batch = batch_step(self.ids, self.pos, self.episode, self.t, done)
+        self.pos += 1
+        self.t = np.where(done, 0, self.t + 1)
+        self.episode += done
+        return batch
+
+    def cuts_due(self) -> list:
+        """Envs to cut after the batch just written (never right after a terminal)."""
+        env = np.arange(len(self.ids))
+        due = (env % 3 == 1) & (self.pos % (7 + env) == 0) & (self.t != 0)
+        return [int(e) for e in np.flatnonzero(due)]
+
+    def cut(self, env: int) -> None:
+        self.episode[env] += 1
+        self.t[env] = 0
+
+
+def write_batches(w, cursor: EnvCursor, n_calls: int) -> None:
+    """``n_calls`` add_batch calls through ``w``, with the cursor's cuts."""
+    for _ in range(n_calls):
+        w.add_batch(**cursor.next_batch())
+        for env in cursor.cuts_due():
+            w.end_episode(env)
+            cursor.cut(env)
+
+
+def write_until(buf, writer_id: int, stop, ready, max_steps: int,
+                episode_len: int = 37, ready_after: int = 100) -> int:
+    """Worker body: add encoded steps until ``stop`` is set or ``max_steps`` are written.
+
+    Releases ``ready`` (a semaphore) once, after ``ready_after`` steps.
+    """
+    written = 0
+    with buf.writer() as w:
+        for step in episode_steps(writer_id, max_steps, episode_len):
+            w.add(**step)
+            written += 1
+            if written == ready_after:
+                ready.release()
+            if written % 32 == 0 and stop.is_set():
+                break
+    if written < ready_after:
+        ready.release()
+    return written
+
+
+def write_batches_until(buf, first_id: int, n_envs: int, stop, ready, max_calls: int,
+                        ready_after: int = 20) -> None:
+    """Worker body: add_batch ``n_envs`` env streams until ``stop`` or ``max_calls``."""
+    cursor = EnvCursor(first_id, n_envs)
+    with buf.writer() as w:
+        for call in range(1, max_calls + 1):
+            write_batches(w, cursor, 1)
+            if call == ready_after:
+                ready.release()
+            if call % 8 == 0 and stop.is_set():
+                break
+    if max_calls < ready_after:
+        ready.release()
+
+
+def add_with_inherited_writer(w, writer_id: int, n_steps: int, episode_len: int) -> None:
+    """Forked-child body: keep using the parent's Writer object ``w``."""
+    for step in episode_steps(writer_id, n_steps, episode_len):
+        w.add(**step)
+    w.close()
