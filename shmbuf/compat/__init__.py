@@ -1,0 +1,1 @@
+"""Drop-in facades for the seed APIs, each a thin translation onto the core store."""

@@ -1,0 +1,159 @@
+"""What every seed facade shares: lifecycle, handles, attach, checkpoints, writers.
+
+A facade owns one core ``Buffer`` (``self.buffer``) and keeps its own
+constructor parameters in the buffer's JSON metadata, so that
+``Class.attach(name)`` in another process rebuilds the same facade.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import store
+from .._errors import CorruptSegmentError
+
+_REGISTRY: dict[str, type] = {}
+
+
+def register(cls):
+    """Class decorator: lets ``Class.attach`` and ``shmbuf.attach`` find the facade."""
+    _REGISTRY[cls.FACADE] = cls
+    return cls
+
+
+def facade_for(buffer: "store.Buffer"):
+    """The facade class that made ``buffer``, or None for a plain store."""
+    return _REGISTRY.get(buffer.meta.get("facade"))
+
+
+def to_torch(value):
+    """numpy arrays (nested in dicts/lists) as torch tensors; plain values as they are."""
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    if isinstance(value, dict):
+        return {k: to_torch(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(v) for v in value)
+    return value
+
+
+def to_numpy(value):
+    """The inverse of ``to_torch``: tensors back to numpy arrays."""
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, dict):
+        return {k: to_numpy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [to_numpy(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(to_numpy(v) for v in value)
+    return value
+
+
+class Facade:
+    """Base of the seed facades; subclasses set FACADE and implement ``_setup``."""
+
+    FACADE = ""
+    buffer = None
+    _writer = None
+
+    # -- construction ---------------------------------------------------------
+    def _create(self, spec: dict, capacity: int, params: dict, *, name=None, seed=None,
+                chunk_size=None, done_key="done") -> None:
+        """Create the owning core buffer and remember ``params`` in its metadata."""
+        self.buffer = store.create(spec, capacity, name=name, seed=seed, chunk_size=chunk_size,
+                                   done_key=done_key,
+                                   meta={"facade": self.FACADE, "params": params})
+        self._setup(params)
+
+    def _setup(self, params: dict) -> None:
+        """Set the facade's attributes from its parameters (both create and attach)."""
+        raise NotImplementedError
+
+    @classmethod
+    def attach(cls, name: str, *, seed=None):
+        """Attach to a buffer of this kind, made by another process, by name.
+
+        Raises:
+            SegmentNotFoundError: no such segment.
+            CorruptSegmentError: the segment was not made by this facade.
+
+        Example:
+            >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f")
+        """
+        buffer = store.attach(name, seed=seed)
+        try:
+            return cls._from_buffer(buffer)
+        except BaseException:
+            buffer.close()
+            raise
+
+    @classmethod
+    def _from_buffer(cls, buffer):
+        made_by = buffer.meta.get("facade")
+        if made_by != cls.FACADE:
+            raise CorruptSegmentError(
+                f"segment {buffer.name!r} was made by {made_by or 'shmbuf.create'}, not by "
+                f"{cls.__name__}; attach it with the matching class or shmbuf.attach")
+        self = cls.__new__(cls)
+        self.buffer = buffer
+        self._setup(buffer.meta["params"])
+        return self
+
+    # -- identity and lifecycle -----------------------------------------------
+    @property
+    def name(self) -> str:
+        """The shared-memory name, for ``attach`` in another process."""
+        return self.buffer.name
+
+    def _get_writer(self):
+        """This process's writer, made on first use (a forked child gets its own)."""
+        if self._writer is None:
+            self._writer = self.buffer.writer()
+        return self._writer
+
+    def close(self) -> None:
+        """Release this process's writer and mapping; the owner also unlinks."""
+        if self._writer is not None:
+            self._writer.close()
+        if self.buffer is not None:
+            self.buffer.close()
+
+    def unlink(self) -> None:
+        """Remove the segment's name now (owner only)."""
+        self.buffer.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return type(self).attach, (self.name,)
+
+    # -- checkpoints --------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Copies of every live step, as torch tensors and plain Python values.
+
+        ``torch.save(buf.state_dict(), path)`` then
+        ``torch.load(path, weights_only=True)`` works.
+        """
+        state = self.buffer.snapshot()
+        state["facade"] = self.FACADE
+        return to_torch(state)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict`` into this buffer, keeping this buffer's capacity.
+
+        Raises:
+            ValueError: the checkpoint was made by another facade or has another
+                schema; nothing is changed.
+        """
+        state = to_numpy(dict(state))
+        made_by = state.pop("facade", None)
+        if made_by != self.FACADE:
+            raise ValueError(f"state: checkpoint was made by {made_by!r}, not {self.FACADE!r}")
+        state["spec"] = {k: (list(v[0]), v[1]) for k, v in state["spec"].items()}
+        self.buffer.restore(state)
