@@ -18,6 +18,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    80  created_ns    Q    wall clock at create, time.time_ns()
    88  kind          Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
    96  meta_bytes    Q    length of the JSON metadata at 1024
+  104  chunks_at     Q    offset of the chunk table (checks max_writers and the column table)
   128  ticket        Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
   192  next_stream   Q    atomic: stream ids handed out so far
   256  evicted       Q    atomic: committed steps dropped by recycling
@@ -54,6 +55,7 @@ PAGE = 4096
 MAX_NDIM = 8
 MAX_COLUMNS = 64
 MAX_NAME_BYTES = 63
+MAX_COLUMN_BYTES = 1 << 46
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_MAX_WRITERS = 128
 EP_COLUMN = "_ep"
@@ -74,6 +76,7 @@ HEADER_FIELDS = {
     "created_ns": (80, "<Q"),
     "kind": (88, "<Q"),
     "meta_bytes": (96, "<Q"),
+    "chunks_at": (104, "<Q"),
 }
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384,
             "retired_eps": 448, "serial": 512}
@@ -175,7 +178,7 @@ def validate_column_name(name) -> str:
 def validate_dtype(name: str, dtype) -> np.dtype:
     try:
         dt = np.dtype(dtype)
-    except TypeError as exc:
+    except (TypeError, ValueError, SyntaxError) as exc:
         raise TypeError(f"spec[{name!r}]: {dtype!r} is not a numpy dtype") from exc
     if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
         raise TypeError(
@@ -240,7 +243,11 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
     columns = []
     entries = list(columns_in.items()) + [(EP_COLUMN, ((), np.dtype("<i8")))]
     for name, (shape, dtype) in entries:
-        row_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        row_bytes = math.prod(shape) * dtype.itemsize
+        if row_bytes * capacity > MAX_COLUMN_BYTES:
+            raise ValueError(f"spec[{name!r}]: {capacity} rows of shape {shape} and dtype "
+                             f"{dtype} need {row_bytes * capacity} bytes; at most "
+                             f"{MAX_COLUMN_BYTES} per column")
         columns.append(Column(name, dtype, shape, cursor, row_bytes))
         cursor = _align(cursor + row_bytes * capacity, PAGE)
     done = [c.name for c in columns].index(done_key) if done_key is not None else -1
@@ -270,7 +277,7 @@ def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: 
         "chunk_size": layout.chunk_size, "n_chunks": layout.n_chunks,
         "max_writers": layout.max_writers, "done_column": layout.done_column,
         "owner_pid": owner_pid, "owner_start": owner_start, "created_ns": created_ns,
-        "kind": kind, "meta_bytes": len(meta),
+        "kind": kind, "meta_bytes": len(meta), "chunks_at": layout.chunks_offset,
     }
     for field, (off, fmt) in HEADER_FIELDS.items():
         struct.pack_into(fmt, out, off, values[field])
@@ -316,7 +323,7 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         try:
             cname = raw[0].rstrip(b"\0").decode()
             dtype = np.dtype(raw[1].rstrip(b"\0").decode())
-        except (UnicodeDecodeError, TypeError, ValueError) as exc:
+        except (UnicodeDecodeError, TypeError, ValueError, SyntaxError) as exc:
             raise bad(f"column {i} has an unreadable name or dtype ({exc})") from None
         ndim = raw[2]
         if ndim > MAX_NDIM:
@@ -326,6 +333,8 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         raise bad("the internal episode column is missing or malformed")
     user = {k: v[:2] for k, v in spec.items() if k != EP_COLUMN}
     done = head["done_column"]
+    if len(spec) != n_columns:
+        raise bad("its column table repeats a column name")
     done_key = list(spec)[done] if 0 <= done < n_columns - 1 else None
     if done != -1 and done_key is None:
         raise bad(f"done column index {done} is out of range")
@@ -337,13 +346,14 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     stored = [(c.offset, c.row_bytes) for c in layout.columns]
     if stored != [v[2:] for v in spec.values()]:
         raise bad("column offsets do not match the layout they describe")
-    if (layout.n_chunks, layout.total_bytes) != (head["n_chunks"], head["total_bytes"]):
+    if (layout.n_chunks, layout.total_bytes, layout.chunks_offset) != (
+            head["n_chunks"], head["total_bytes"], head["chunks_at"]):
         raise bad("chunk count or total size does not match the layout")
     if head["kind"] not in (0, 1) or head["meta_bytes"] > MAX_META:
         raise bad(f"kind {head['kind']} or metadata length {head['meta_bytes']} is out of range")
     try:
         meta = json.loads(bytes(buf[META:META + head["meta_bytes"]]).decode())
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"its metadata is not JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise bad(f"its metadata is {type(meta).__name__}, expected an object")

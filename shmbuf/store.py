@@ -80,7 +80,10 @@ class Buffer:
         self._meta = meta
         self._ring = Ring(segment.mmap, layout)
         self._views = {
-            c.name: np.ndarray((layout.capacity,) + c.shape, c.dtype, segment.mmap, c.offset)
+            # frombuffer holds a buffer export on the mmap, so the mapping
+            # cannot be closed under a view that a caller still holds.
+            c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes
+                                  // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
             for c in layout.columns}
         self._finder = WindowFinder(self._ring, self._views[EP_COLUMN])
         self._rng = np.random.default_rng(seed)
@@ -123,6 +126,11 @@ class Buffer:
     def done_key(self) -> str | None:
         lay = self._layout
         return lay.columns[lay.done_column].name if lay.done_column >= 0 else None
+
+    def __len__(self) -> int:
+        """Live steps right now (cheap: one pass over the chunk counts)."""
+        self._check_open()
+        return self._ring.live_steps()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -218,7 +226,8 @@ class Buffer:
             return {k: v[0] for k, v in batch.items()}
         if not isinstance(out, dict):
             raise ValueError(f"out must be a dict of arrays, got {type(out).__name__}")
-        lifted = {k: (v.unsqueeze(0) if hasattr(v, "unsqueeze") else np.asarray(v)[None])
+        lifted = {k: (v[None] if isinstance(v, np.ndarray)
+                      else v.unsqueeze(0) if type(v).__module__.startswith("torch") else v)
                   for k, v in out.items()}
         self.sample_sequences(batch_size, 1, out=lifted, rng=rng)
         return out
@@ -246,6 +255,9 @@ class Buffer:
         """
         self._check_open()
         min_steps = _count("min_steps", min_steps, self._layout.capacity)
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float, np.number))):
+            raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -95,12 +95,15 @@ class Writer:
         s.rows[i] = self._ring.chunk_rows[chunk]
         s.count_off[i] = self._ring.count_off[chunk]
 
-    def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
+    def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
             missing = sorted(self._names - columns.keys())
             unknown = sorted(columns.keys() - self._names)
             raise KeyError(f"{verb}: missing columns {missing}, unknown columns {unknown}; "
                            f"the buffer's columns are {sorted(self._names)}")
+
+    def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
+        self._check_names(columns, verb)
         out = []
         for name, _, dtype, shape in self._cols:
             v = columns[name]
@@ -167,13 +170,17 @@ class Writer:
             >>> w.add_batch(obs=frames, action=acts, reward=rews, done=dones)  # (16, ...)
         """
         self._check()
-        first = next(iter(columns.values()), None)
-        n = len(first) if hasattr(first, "__len__") else 0
-        if self._batch is not None and n != len(self._batch.id):
-            raise ValueError(f"add_batch: this writer has {len(self._batch.id)} env streams, "
-                             f"got {n} rows; use one writer per vectorised env")
+        self._check_names(columns, "add_batch")
+        first_name = self._cols[0][0]
+        shape = np.shape(columns[first_name])
+        n = shape[0] if shape else 0
         if n <= 0:
-            raise ValueError(f"add_batch: expected a leading env axis of at least 1 row, got {n}")
+            raise ValueError(f"add_batch({first_name}=...): expected a leading env axis of at "
+                             f"least 1 row, got shape {shape}")
+        if self._batch is not None and n != len(self._batch.id):
+            raise ValueError(f"add_batch({first_name}=...): this writer has "
+                             f"{len(self._batch.id)} env streams, got {n} rows; use one "
+                             "writer per vectorised env")
         values = self._coerce_all(columns, (n,), "add_batch")
         s = self._batch
         if s is None:

@@ -110,13 +110,17 @@ class Facade:
     def _get_writer(self):
         """This process's writer, made on first use (a forked child gets its own)."""
         if self._writer is None:
-            self._writer = self.buffer.writer()
+            self._writer = self.buffer.writer()  # raises BufferClosedError once closed
         return self._writer
 
+    def _drop_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+
     def close(self) -> None:
-        """Release this process's writer and mapping; the owner also unlinks."""
-        if self._writer is not None:
-            self._writer.close()
+        """Release this process's writer and mapping; the owner also unlinks.  Idempotent."""
+        self._drop_writer()
         if self.buffer is not None:
             self.buffer.close()
 
@@ -156,4 +160,5 @@ class Facade:
         if made_by != self.FACADE:
             raise ValueError(f"state: checkpoint was made by {made_by!r}, not {self.FACADE!r}")
         state["spec"] = {k: (list(v[0]), v[1]) for k, v in state["spec"].items()}
+        self._drop_writer()  # its open chunk would otherwise survive the restore
         self.buffer.restore(state)
