@@ -1,0 +1,599 @@
+"""Lifecycle of real segments: create, attach, close, unlink, corruption, processes.
+
+Every test leaves /dev/shm as it found it (the autouse fixture in conftest
+checks).  Children are forked or started with ``python -c``; each has a timeout
+and is killed in ``finally`` if it is still there.
+"""
+import contextlib
+import errno
+import gc
+import mmap
+import os
+import pickle
+import secrets
+import select
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import textwrap
+import traceback
+import weakref
+
+import numpy as np
+import posix_ipc
+import pytest
+
+import shmbuf
+from shmbuf import _layout as L
+from workers import SPEC, step_for, verify_batch, write_steps
+
+SHM = "/dev/shm"
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+CHILD_TIMEOUT = 60
+
+
+def fresh_name(tag="t"):
+    return f"shmbuf-test-{tag}-{secrets.token_hex(5)}"
+
+
+def exists(name):
+    return os.path.exists(os.path.join(SHM, name))
+
+
+@contextlib.contextmanager
+def raw_map(name):
+    """A read-write mapping of /dev/shm/NAME that bypasses shmbuf entirely."""
+    fd = os.open(os.path.join(SHM, name), os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, 0)
+    finally:
+        os.close(fd)
+    try:
+        yield mm
+    finally:
+        mm.close()
+
+
+def run_forked(body, timeout=CHILD_TIMEOUT):
+    """Run ``body()`` in a forked child that always leaves through os._exit; its exit code."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            body()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    reaped = False
+    try:
+        pidfd = os.pidfd_open(pid)
+        try:
+            ready, _, _ = select.select([pidfd], [], [], timeout)
+        finally:
+            os.close(pidfd)
+        assert ready, f"forked child did not exit within {timeout} s"
+        _, status = os.waitpid(pid, 0)
+        reaped = True
+        return os.waitstatus_to_exitcode(status)
+    finally:
+        if not reaped:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+
+def run_python(code, timeout=CHILD_TIMEOUT):
+    """Run ``code`` in a fresh interpreter that can import tests/workers.py."""
+    prelude = f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+    proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{proc.stderr}"
+    return proc.stdout
+
+
+def write(buf, n, writer_id=0, episode_len=1000):
+    write_steps(buf, writer_id, n, episode_len)
+
+
+# -- create / attach / close / unlink ----------------------------------------------
+def test_create_attach_close_unlink():
+    name = fresh_name()
+    buf = shmbuf.create(SPEC, 64, name=name)
+    try:
+        assert buf.name == name and buf.owner and exists(name)
+        att = shmbuf.attach(name)
+        assert not att.owner
+        assert att.spec == buf.spec and att.capacity == buf.capacity == 64
+        assert att.chunk_size == buf.chunk_size and att.done_key == buf.done_key == "done"
+        att.close()
+        assert exists(name), "an attacher's close unlinked the segment"
+    finally:
+        buf.close()
+    assert not exists(name)
+
+
+def test_generated_names_are_distinct_and_prefixed(make_buffer):
+    a, b = make_buffer(capacity=16), make_buffer(capacity=16)
+    assert a.name != b.name
+    assert a.name.startswith("shmbuf-") and exists(a.name) and exists(b.name)
+
+
+@pytest.mark.parametrize("who", ["owner", "attacher"])
+def test_double_close_is_idempotent(make_buffer, who):
+    owner = make_buffer(capacity=16)
+    buf = owner if who == "owner" else shmbuf.attach(owner.name)
+    buf.close()
+    buf.close()
+    assert exists(owner.name) == (who == "attacher")
+    assert "closed" in repr(buf)
+
+
+CLOSED_OPS = {
+    "arrays": lambda b: b.arrays,
+    "writer": lambda b: b.writer(),
+    "sample_sequences": lambda b: b.sample_sequences(1, 1),
+    "sample_steps": lambda b: b.sample_steps(1),
+    "wait_ready": lambda b: b.wait_ready(1, timeout=0),
+    "stats": lambda b: b.stats(),
+}
+
+
+@pytest.mark.parametrize("op", list(CLOSED_OPS.values()), ids=list(CLOSED_OPS))
+@pytest.mark.parametrize("who", ["owner", "attacher"])
+def test_operations_after_close_raise(make_buffer, who, op):
+    owner = make_buffer(capacity=16)
+    write(owner, 4)
+    buf = owner if who == "owner" else shmbuf.attach(owner.name)
+    buf.close()
+    with pytest.raises(shmbuf.BufferClosedError, match="closed") as info:
+        op(buf)
+    assert buf.name in str(info.value)
+    assert isinstance(info.value, ValueError)  # like I/O on a closed file
+
+
+def test_writer_after_buffer_close_raises(make_buffer):
+    buf = make_buffer(capacity=16)
+    w = buf.writer()
+    w.add(**step_for(0, 0, 0, 0, False))
+    buf.close()
+    with pytest.raises(shmbuf.BufferClosedError):
+        w.add(**step_for(0, 1, 0, 1, False))
+    w.close()
+    w.close()
+
+
+def test_closed_writer_raises_and_double_close_is_fine(make_buffer):
+    buf = make_buffer(capacity=16)
+    w = buf.writer()
+    w.close()
+    w.close()
+    with pytest.raises(shmbuf.BufferClosedError, match="writer"):
+        w.add(**step_for(0, 0, 0, 0, False))
+    assert buf.stats().writers == 0
+
+
+VIEWS_AFTER_CLOSE = """
+    import gc
+    import numpy as np
+    import shmbuf
+    from workers import SPEC, write_steps
+    buf = shmbuf.{how}(SPEC, 16)
+    write_steps(buf, 0, 3)
+    reward = buf.arrays["reward"]
+    expect = reward.copy()
+    {drop}
+    gc.collect()
+    assert (reward == expect).all()  # a dangling view segfaults here instead
+    reward[0] = 1.0
+    print("ok")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drop", ["buf.close()", "del buf"], ids=["closed", "dropped"])
+def test_views_outlive_the_buffer(drop):
+    """close() says views stay valid; a child checks, so a crash cannot take pytest down."""
+    code = VIEWS_AFTER_CLOSE.format(how="create", drop=drop)
+    prelude = f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", "-c",
+                           prelude + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
+        f"reading buf.arrays after {drop!r} failed with exit code {proc.returncode} "
+        f"(-11: SIGSEGV, the mapping was unmapped under a live view):\n{proc.stderr[-2000:]}")
+
+
+def test_with_block_unlinks_for_the_owner_only():
+    name = fresh_name()
+    with shmbuf.create(SPEC, 16, name=name) as owner:
+        with shmbuf.attach(name) as att:
+            assert not att.owner
+        assert exists(name), "leaving an attacher's with block unlinked the segment"
+        with pytest.raises(shmbuf.BufferClosedError):
+            att.stats()
+        owner.stats()
+    assert not exists(name)
+    with pytest.raises(shmbuf.BufferClosedError):
+        owner.stats()
+
+
+def test_with_block_unlinks_on_exception():
+    name = fresh_name()
+    with pytest.raises(KeyError):
+        with shmbuf.create(SPEC, 16, name=name):
+            raise KeyError("boom")
+    assert not exists(name)
+
+
+def test_attacher_unlink_raises_permission_error(make_buffer):
+    owner = make_buffer(capacity=16)
+    with shmbuf.attach(owner.name) as att:
+        with pytest.raises(PermissionError, match=owner.name):
+            att.unlink()
+    assert exists(owner.name)
+
+
+def test_owner_unlink_keeps_mapping_usable(make_buffer):
+    buf = make_buffer(capacity=16)
+    buf.unlink()
+    assert not exists(buf.name)
+    buf.unlink()  # already gone: still fine
+    write(buf, 5)
+    assert buf.stats().live_steps == 5
+    with pytest.raises(shmbuf.SegmentNotFoundError):
+        shmbuf.attach(buf.name)
+
+
+def test_attach_after_unlink_raises_not_found():
+    name = fresh_name()
+    shmbuf.create(SPEC, 16, name=name).close()
+    with pytest.raises(shmbuf.SegmentNotFoundError) as info:
+        shmbuf.attach(name)
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.errno == errno.ENOENT
+    assert name in str(info.value)
+    with pytest.raises(FileNotFoundError):
+        shmbuf.attach(name)
+
+
+def test_create_existing_name_raises_exists(make_buffer):
+    first = make_buffer(capacity=16)
+    write(first, 3)
+    with pytest.raises(shmbuf.SegmentExistsError) as info:
+        shmbuf.create(SPEC, 16, name=first.name)
+    assert isinstance(info.value, FileExistsError)
+    assert info.value.errno == errno.EEXIST
+    assert first.name in str(info.value)
+    assert exists(first.name) and first.stats().live_steps == 3  # the first is untouched
+
+
+def test_segment_mode_is_0600(make_buffer):
+    buf = make_buffer(capacity=16)
+    assert stat.S_IMODE(os.stat(os.path.join(SHM, buf.name)).st_mode) == 0o600
+
+
+BAD_NAMES = ["a/b", "/leading", "trailing/", "a\0b", "\0", "x" * 201, "", ".hidden",
+             "-dash", "with space", "caf\u00e9"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+@pytest.mark.parametrize("call", ["create", "attach"])
+def test_bad_names_rejected_before_any_syscall(name, call):
+    before = set(os.listdir(SHM))
+    with pytest.raises(ValueError, match="name") as info:
+        if call == "create":
+            shmbuf.create(SPEC, 16, name=name).close()
+        else:
+            shmbuf.attach(name).close()
+    assert not isinstance(info.value, OSError)  # not an answer from the kernel
+    assert set(os.listdir(SHM)) == before
+
+
+@pytest.mark.parametrize("call", ["create", "attach"])
+def test_non_str_name_is_a_type_error(call):
+    with pytest.raises(TypeError, match="name"):
+        if call == "create":
+            shmbuf.create(SPEC, 16, name=b"bytes").close()
+        else:
+            shmbuf.attach(42).close()
+
+
+def test_longest_name_is_accepted():
+    name = fresh_name()
+    name += "x" * (200 - len(name))
+    with shmbuf.create(SPEC, 16, name=name) as buf:
+        with shmbuf.attach(name) as att:
+            assert att.name == buf.name == name
+
+
+# -- segments that are not (or no longer) shmbuf buffers ----------------------------
+def _poke_header(name, field, value):
+    off, fmt = L.HEADER_FIELDS[field]
+    with raw_map(name) as mm:
+        struct.pack_into(fmt, mm, off, value)
+
+
+def test_wrong_magic_raises_corrupt(make_buffer):
+    buf = make_buffer(capacity=16)
+    with raw_map(buf.name) as mm:
+        mm[0:8] = b"NOTSHMBF"
+    with pytest.raises(shmbuf.CorruptSegmentError, match="magic") as info:
+        shmbuf.attach(buf.name)
+    assert buf.name in str(info.value)
+    assert not isinstance(info.value, shmbuf.LayoutVersionError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_wrong_version_raises_layout_version_error(make_buffer):
+    buf = make_buffer(capacity=16)
+    newer = L.LAYOUT_VERSION + 1
+    _poke_header(buf.name, "version", newer)
+    with pytest.raises(shmbuf.LayoutVersionError) as info:
+        shmbuf.attach(buf.name)
+    msg = str(info.value)
+    assert repr(buf.name) in msg
+    assert f"version {newer}" in msg and f"version {L.LAYOUT_VERSION}" in msg
+    assert isinstance(info.value, shmbuf.CorruptSegmentError)
+
+
+def test_corrupt_header_field_raises_corrupt(make_buffer):
+    buf = make_buffer(capacity=16)
+    _poke_header(buf.name, "capacity", 17)
+    with pytest.raises(shmbuf.CorruptSegmentError, match=buf.name):
+        shmbuf.attach(buf.name)
+
+
+@pytest.mark.parametrize("size, content", [(0, b""), (64, b"hello"), (8192, b"\xff" * 8192)])
+def test_foreign_segment_raises_corrupt(size, content):
+    name = fresh_name("foreign")
+    shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600, size=size)
+    try:
+        if content:
+            with raw_map(name) as mm:
+                mm[:len(content)] = content
+        with pytest.raises(shmbuf.CorruptSegmentError, match=name):
+            shmbuf.attach(name)
+        assert exists(name), "attach removed a segment that is not shmbuf's"
+    finally:
+        shm.close_fd()
+        posix_ipc.unlink_shared_memory("/" + name)
+
+
+@pytest.mark.parametrize("size", [0, 8, L.COLUMN_TABLE - 1, L.COLUMN_TABLE + 100, 3 * L.PAGE])
+def test_truncated_segment_raises_corrupt(make_buffer, size):
+    buf = make_buffer(capacity=64)
+    # Nothing below touches the owner's memory past the new end (that would SIGBUS);
+    # closing it only unmaps and unlinks.
+    os.truncate(os.path.join(SHM, buf.name), size)
+    with pytest.raises(shmbuf.CorruptSegmentError, match=buf.name):
+        shmbuf.attach(buf.name)
+
+
+def test_too_small_dev_shm_raises_shared_memory_full():
+    st = os.statvfs(SHM)
+    shm_size = st.f_blocks * st.f_frsize
+    if not shm_size:
+        pytest.skip("/dev/shm has no size limit")
+    # Ask for more than the whole of /dev/shm, not merely more than is free: tmpfs
+    # refuses that at once, while a request in between fills memory before failing.
+    row = 1 << 20
+    capacity = 2 * shm_size // row + 1
+    spec = {"obs": ((row,), np.uint8), "done": ((), np.bool_)}
+    assert L.plan(spec, capacity).total_bytes > shm_size  # plan() accepts it
+    name = fresh_name("full")
+    before = set(os.listdir(SHM))
+    with pytest.raises(shmbuf.SharedMemoryFullError) as info:
+        shmbuf.create(spec, capacity, name=name)
+    assert isinstance(info.value, OSError)
+    assert info.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
+    assert "--shm-size" in str(info.value) and name in str(info.value)
+    assert set(os.listdir(SHM)) == before
+
+
+# -- pickling ------------------------------------------------------------------
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_pickle_sends_only_the_name(make_buffer, protocol):
+    owner = make_buffer(capacity=64)
+    write(owner, 10)
+    payload = pickle.dumps(owner, protocol=protocol)
+    assert len(payload) < 200 + len(owner.name)
+    assert owner.name.encode() in payload
+    att = pickle.loads(payload)
+    try:
+        assert not att.owner and att.name == owner.name
+        for k, v in owner.arrays.items():
+            np.testing.assert_array_equal(att.arrays[k], v)
+        assert att.stats() == owner.stats()
+        assert len(pickle.dumps(att, protocol=protocol)) == len(payload)
+    finally:
+        att.close()
+    assert exists(owner.name)
+
+
+def test_writer_cannot_be_pickled(make_buffer):
+    buf = make_buffer(capacity=16)
+    with buf.writer() as w:
+        with pytest.raises(TypeError, match="buf.writer"):
+            pickle.dumps(w)
+
+
+# -- other processes ---------------------------------------------------------------
+ATTACH_AND_WRITE = """
+    import shmbuf
+    from workers import write_steps
+    buf = shmbuf.attach({name!r})
+    write_steps(buf, 7, {n}, episode_len=25)
+    {close}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("close", ["buf.close()", "pass"], ids=["closes", "just exits"])
+def test_attacher_process_writes_exits_and_owner_still_reads(make_buffer, close):
+    owner = make_buffer(capacity=256, chunk_size=16)
+    run_python(ATTACH_AND_WRITE.format(name=owner.name, n=100, close=close))
+    assert exists(owner.name), "an attacher's exit unlinked the owner's segment"
+    stats = owner.stats()
+    assert (stats.steps_written, stats.live_steps, stats.writers) == (100, 100, 0)
+    batch = owner.sample_sequences(16, 10, rng=0)
+    assert verify_batch(batch) == 16
+    assert (batch["action"][..., 0] == 7).all()
+    with shmbuf.attach(owner.name) as again:  # and others can still attach
+        assert again.stats().steps_written == 100
+
+
+@pytest.mark.slow
+def test_owner_process_exit_unlinks():
+    """CPython-style: a ``python -c`` owner that never closes still cleans up at exit."""
+    name = fresh_name("exit")
+    out = run_python(f"""
+        import shmbuf
+        from workers import SPEC
+        buf = shmbuf.create(SPEC, 64, name={name!r})
+        print(buf.stats().owner_alive)
+    """)
+    assert out.strip() == "True"
+    assert not exists(name), "the owner process exited and its segment leaked"
+
+
+def test_owner_dropped_without_close_unlinks():
+    box = [shmbuf.create(SPEC, 16, name=fresh_name())]
+    name = box[0].name
+    assert exists(name)
+    box.clear()
+    gc.collect()
+    assert not exists(name)
+
+
+def test_attacher_dropped_without_close_does_not_unlink(make_buffer):
+    owner = make_buffer(capacity=16)
+    box = [shmbuf.attach(owner.name)]
+    ref = weakref.ref(box[0])
+    box.clear()
+    gc.collect()
+    assert ref() is None
+    assert exists(owner.name)
+    assert owner.stats().owner_alive
+
+
+def test_forked_child_dropping_inherited_owner_does_not_unlink():
+    box = [shmbuf.create(SPEC, 64, name=fresh_name("fork"))]
+    name = box[0].name
+    ref = weakref.ref(box[0])
+    try:
+        def child():
+            box.clear()  # the last reference: the finalizer runs here, in the child
+            if ref() is not None:
+                gc.collect()
+            assert ref() is None
+        assert run_forked(child) == 0
+        assert exists(name), "a forked child unlinked its parent's buffer"
+        assert box[0].stats().owner_alive
+    finally:
+        box.clear()
+    assert ref() is None and not exists(name)
+
+
+def test_forked_child_that_closes_and_writes_does_not_unlink(make_buffer):
+    buf = make_buffer(capacity=64, chunk_size=8)
+
+    def child():
+        write(buf, 20, writer_id=3)
+        buf.close()
+    assert run_forked(child) == 0
+    assert exists(buf.name)
+    stats = buf.stats()
+    assert (stats.steps_written, stats.live_steps, stats.writers) == (20, 20, 0)
+    assert verify_batch(buf.sample_sequences(4, 8, rng=1)) == 4
+
+
+# -- stats() ----------------------------------------------------------------------
+def test_stats_after_known_writes(make_buffer):
+    buf = make_buffer(capacity=64, chunk_size=4)
+    s = buf.stats()
+    assert (s.name, s.capacity, s.chunk_size, s.n_chunks) == (buf.name, 64, 4, 16)
+    assert (s.steps_written, s.live_steps, s.writers, s.streams, s.samples) == (0, 0, 0, 0, 0)
+    assert s.owner_pid == os.getpid() and s.owner_alive
+
+    w = buf.writer()
+    assert buf.stats().writers == 1
+    for step in (step_for(0, p, p // 5, p % 5, p % 5 == 4) for p in range(10)):
+        w.add(**step)
+    s = buf.stats()
+    assert (s.steps_written, s.live_steps, s.episodes) == (10, 10, 2)
+    assert (s.oldest_step, s.newest_step, s.chunks_in_use) == (0, 9, 3)
+    assert (s.writers, s.streams, s.samples) == (1, 1, 0)
+
+    buf.sample_sequences(2, 3, rng=0)
+    buf.sample_steps(5, rng=0)
+    assert buf.stats().samples == 2
+
+    w.close()
+    s = buf.stats()
+    assert (s.steps_written, s.live_steps, s.episodes, s.writers) == (10, 10, 2, 0)
+
+    with buf.writer() as w2:
+        w2.add_batch(obs=np.zeros((3, 3, 8, 8), np.uint8), action=np.zeros((3, 6), np.float32),
+                     reward=np.zeros(3, np.float32), done=np.array([True, False, False]))
+        s = buf.stats()
+        assert (s.steps_written, s.live_steps, s.episodes) == (13, 13, 3)
+        assert (s.writers, s.streams) == (1, 4)
+
+    with shmbuf.attach(buf.name) as att:
+        assert att.stats() == buf.stats()
+
+
+def test_stats_after_eviction(make_buffer):
+    buf = make_buffer(capacity=64, chunk_size=4)
+    write(buf, 203, writer_id=1)
+    s = buf.stats()
+    assert s.steps_written == 203 and s.newest_step == 202
+    assert s.capacity - s.chunk_size < s.live_steps <= s.capacity
+    assert s.oldest_step == s.steps_written - s.live_steps
+    assert s.chunks_in_use <= s.n_chunks
+    batch = buf.sample_sequences(32, 4, rng=0)
+    verify_batch(batch)
+    assert batch["reward"].min() >= s.oldest_step  # reward is the position in the stream
+    assert batch["reward"].max() <= s.newest_step
+
+
+# -- zero-copy views ----------------------------------------------------------------
+def test_arrays_are_zero_copy_views(make_buffer):
+    buf = make_buffer(capacity=64, chunk_size=4)
+    arrays = buf.arrays
+    assert set(arrays) == set(SPEC)
+    for k, (shape, dtype) in SPEC.items():
+        assert arrays[k].shape == (64,) + shape and arrays[k].dtype == dtype
+        assert np.shares_memory(arrays[k], buf.arrays[k])
+    with buf.writer() as w:
+        w.add(**step_for(5, 123, 0, 0, False))
+    rows = np.flatnonzero(arrays["reward"] == 123)  # seen through views taken before
+    assert len(rows) == 1
+    np.testing.assert_array_equal(arrays["action"][rows[0]], step_for(5, 123, 0, 0, False)["action"])
+    with shmbuf.attach(buf.name) as att:
+        assert att.arrays["reward"][rows[0]] == 123
+        att.arrays["reward"][rows[0]] = -1.5  # and a write from the other side shows here
+    assert arrays["reward"][rows[0]] == -1.5
+
+
+@pytest.mark.slow  # the first torch import takes seconds
+def test_tensors_share_memory_with_arrays(make_buffer):
+    torch = pytest.importorskip("torch")
+    buf = make_buffer(capacity=64, chunk_size=4)
+    tensors = buf.tensors
+    for k, (shape, dtype) in SPEC.items():
+        assert tuple(tensors[k].shape) == (64,) + shape
+        assert tensors[k].data_ptr() == buf.arrays[k].ctypes.data
+    with buf.writer() as w:
+        w.add(**step_for(2, 77, 0, 0, True))
+    row = int(np.flatnonzero(buf.arrays["reward"] == 77)[0])
+    assert tensors["reward"][row].item() == 77 and bool(tensors["done"][row])
+    tensors["reward"][row] = 0.25
+    assert buf.arrays["reward"][row] == 0.25
+    assert isinstance(tensors["obs"], torch.Tensor) and tensors["obs"].dtype == torch.uint8
+    buf.close()
+    with pytest.raises(shmbuf.BufferClosedError):
+        buf.tensors
