@@ -55,3 +55,11 @@ class SampleRetryError(ShmbufError, RuntimeError):
 
 class WaitTimeoutError(ShmbufError, TimeoutError):
     """A ``wait_*`` call ran out of time."""
+
+
+class SampleTooLargeError(ShmbufError, MemoryError):
+    """A sample would build a batch larger than the configured byte limit."""
+
+
+class OnPolicyBufferFullError(ShmbufError, OverflowError):
+    """``IRISOnPolicyBuffer.add`` was called with ``max_steps`` steps already held."""
