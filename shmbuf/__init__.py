@@ -5,18 +5,53 @@ trainer samples zero-copy views; any process can attach by name.
 """
 from ._errors import (BufferClosedError, CorruptSegmentError, LayoutVersionError,
                       NoFreeChunkError, NoFreeWriterSlotError, NotEnoughDataError,
-                      SampleRetryError, SegmentExistsError, SegmentNotFoundError,
-                      SegmentPermissionError, SharedMemoryFullError, ShmbufError,
-                      WaitTimeoutError)
-from .store import Buffer, Stats, attach, create
+                      OnPolicyBufferFullError, SampleRetryError, SampleTooLargeError,
+                      SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
+                      SharedMemoryFullError, ShmbufError, WaitTimeoutError)
+from .compat.diamond import ReplayBuffer as DiamondReplayBuffer
+from .compat.diamond import SequenceDataset
+from .compat.dreamer import ReplayBuffer
+from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer
+from .compat.planet import Episode, Memory
+from .store import Buffer, Stats, create
+from .store import attach as _attach_store
 from .writer import Writer
 
 __version__ = "0.1.0"
 
+
+def attach(name: str, *, seed=None):
+    """Attach to any shmbuf buffer by name; the result never unlinks it.
+
+    Returns the class that made the buffer: a ``Buffer`` for ``create``, or
+    the seed facade (``ReplayBuffer``, ``Memory``, ...) that created it.
+
+    Raises:
+        SegmentNotFoundError: no segment has that name.
+        CorruptSegmentError / LayoutVersionError: it is not a readable shmbuf buffer.
+
+    Example:
+        >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
+    """
+    from .compat._base import facade_for
+
+    buffer = _attach_store(name, seed=seed)
+    cls = facade_for(buffer)
+    if cls is None:
+        return buffer
+    try:
+        return cls._from_buffer(buffer)
+    except BaseException:
+        buffer.close()
+        raise
+
+
 __all__ = [
     "Buffer", "Stats", "Writer", "attach", "create",
+    "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
+    "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",
     "CorruptSegmentError", "LayoutVersionError", "SharedMemoryFullError",
     "BufferClosedError", "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
-    "SampleRetryError", "WaitTimeoutError",
+    "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "WaitTimeoutError",
 ]
