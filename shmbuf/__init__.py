@@ -6,11 +6,13 @@ trainer samples zero-copy views; any process can attach by name.
 from ._errors import (BufferClosedError, CorruptSegmentError, LayoutVersionError,
                       NoFreeChunkError, NoFreeWriterSlotError, NotEnoughDataError,
                       OnPolicyBufferFullError, SampleRetryError, SampleTooLargeError,
+                      SchemaPendingError,
                       SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError, ShmbufError, WaitTimeoutError)
 from .compat.diamond import ReplayBuffer as DiamondReplayBuffer
 from .compat.diamond import SequenceDataset
 from .compat.dreamer import ReplayBuffer
+from .compat.history import HistoryBuffer
 from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer
 from .compat.planet import Episode, Memory
 from .store import Buffer, Stats, create
@@ -24,7 +26,8 @@ def attach(name: str, *, seed=None):
     """Attach to any shmbuf buffer by name; the result never unlinks it.
 
     Returns the class that made the buffer: a ``Buffer`` for ``create``, or
-    the seed facade (``ReplayBuffer``, ``Memory``, ...) that created it.
+    the seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...)
+    that created it.
 
     Raises:
         SegmentNotFoundError: no segment has that name.
@@ -33,8 +36,11 @@ def attach(name: str, *, seed=None):
     Example:
         >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
     """
+    from ._layout import KIND_KEYED
     from .compat._base import facade_for
 
+    if _segment_kind(name) == KIND_KEYED:
+        return HistoryBuffer.attach(name)
     buffer = _attach_store(name, seed=seed)
     cls = facade_for(buffer)
     if cls is None:
@@ -46,12 +52,26 @@ def attach(name: str, *, seed=None):
         raise
 
 
+def _segment_kind(name: str) -> int | None:
+    from ._layout import read_field
+    from ._segment import Segment
+
+    segment = Segment.attach(name)
+    try:
+        if segment.size < 128:
+            return None
+        return read_field(segment.mmap, "kind")
+    finally:
+        segment.close()
+
+
 __all__ = [
     "Buffer", "Stats", "Writer", "attach", "create",
-    "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
+    "HistoryBuffer", "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
     "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",
     "CorruptSegmentError", "LayoutVersionError", "SharedMemoryFullError",
     "BufferClosedError", "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
-    "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "WaitTimeoutError",
+    "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "SchemaPendingError",
+    "WaitTimeoutError",
 ]

@@ -63,3 +63,7 @@ class SampleTooLargeError(ShmbufError, MemoryError):
 
 class OnPolicyBufferFullError(ShmbufError, OverflowError):
     """``IRISOnPolicyBuffer.add`` was called with ``max_steps`` steps already held."""
+
+
+class SchemaPendingError(ShmbufError, RuntimeError):
+    """A HistoryBuffer handle was used before its constructing process fixed the schema."""

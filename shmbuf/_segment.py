@@ -39,7 +39,11 @@ def validate_name(name) -> str:
 
 
 def generate_name() -> str:
-    return PREFIX + secrets.token_hex(6)
+    """``shmbuf-`` + ``$SHMBUF_NAME_TAG`` (empty by default) + 12 random hex digits.
+
+    The tag lets a job (or a test session) recognise the segments it made.
+    """
+    return PREFIX + os.environ.get("SHMBUF_NAME_TAG", "") + secrets.token_hex(6)
 
 
 def _translate(exc: Exception, name: str, action: str) -> Exception:
@@ -161,3 +165,15 @@ def list_segments() -> list[str]:
         return sorted(os.listdir(SHM_DIR))
     except FileNotFoundError:
         return []
+
+
+def finalize_segment(segment: "Segment", unlink_in_pid: int | None) -> None:
+    """Finalizer of a buffer object: close; unlink too if this is the owner's pid."""
+    # Owners unlink only in the process that created the buffer: a forked
+    # child that inherits the object must never destroy the trainer's data.
+    if unlink_in_pid == os.getpid():
+        try:
+            segment.unlink()
+        except FileNotFoundError:
+            pass
+    segment.close()

@@ -16,7 +16,7 @@ from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, Layout, decode_header, enc
                       encode_meta, pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
-from ._segment import Segment, generate_name, validate_name
+from ._segment import Segment, finalize_segment as _finalize, generate_name, validate_name
 from ._out import prepare_out as _prepare_out
 from .sampling import WindowFinder
 from .writer import Writer
@@ -48,17 +48,6 @@ class Stats:
     samples: int
     owner_pid: int
     owner_alive: bool
-
-
-def _finalize(segment: Segment, unlink_in_pid: int | None) -> None:
-    # Owners unlink only in the process that created the buffer: a forked
-    # child that inherits the object must never destroy the trainer's data.
-    if unlink_in_pid == os.getpid():
-        try:
-            segment.unlink()
-        except FileNotFoundError:
-            pass
-    segment.close()
 
 
 class Buffer:

@@ -7,13 +7,26 @@ import pytest
 import shmbuf
 
 SHM = "/dev/shm"
+# Generated names carry this session's tag (children inherit it), so the leak
+# check below sees only segments this test session made, even when other
+# sessions run tests on the same machine at the same time.
+TAG = f"t{os.getpid()}-"
+os.environ["SHMBUF_NAME_TAG"] = TAG
+
+
+def _ours(name: str) -> bool:
+    # Generated names carry the tag; tests that pick a name themselves start
+    # it with "shmbuf-test-" and add their pid.  sem.* are multiprocessing's semaphores,
+    # which its resource tracker removes.
+    if name.startswith("sem."):
+        return False
+    return (name.startswith(("shmbuf-" + TAG, "shmbuf-test-"))
+            or not name.startswith("shmbuf-"))
 
 
 def _entries():
-    # sem.* entries are multiprocessing's semaphores, which its resource
-    # tracker owns and removes; every other new entry is a segment we made.
     names = os.listdir(SHM) if os.path.isdir(SHM) else []
-    return {n for n in names if not n.startswith("sem.")}
+    return {n for n in names if _ours(n)}
 
 
 @pytest.fixture(autouse=True)

@@ -1,0 +1,166 @@
+"""Batched info dicts as fixed columns: schema inference, validation, output types.
+
+A HistoryBuffer stores every info key as one column of keyed rings.  The
+schema (per-env per-step shape, numpy dtype, and whether ``get`` returns
+torch tensors) is fixed by ``spec=`` or by the first append; every later
+append is validated against it completely before anything is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import numpy as np
+
+from .._cast import coerce
+from .._layout import validate_shape
+
+MIN_STR_WIDTH = 32  # characters (or bytes) of a string key inferred from a shorter value
+_SCALARS = (bool, int, float, complex, str, bytes, np.generic)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySchema:
+    """One info key: where it lives and what ``get`` gives back for it."""
+
+    key: str
+    column: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    torch: bool = False
+    device: str = "cpu"
+
+    def meta(self) -> list:
+        return [self.key, int(self.torch), self.device]
+
+
+def is_tensor(value) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def _label(verb: str, key) -> str:
+    return f"{verb}(info[{key!r}])"
+
+
+def _native(dtype: np.dtype) -> np.dtype:
+    return dtype.newbyteorder("=") if dtype.byteorder not in "=|" else dtype
+
+
+def numpy_dtype(label: str, dtype) -> tuple[np.dtype, bool]:
+    """A numpy dtype for ``dtype`` (numpy or torch), and whether it was torch's."""
+    if type(dtype).__module__.startswith("torch"):
+        import torch
+
+        try:
+            return torch.empty(0, dtype=dtype).numpy().dtype, True
+        except TypeError:
+            raise TypeError(f"{label}: torch dtype {dtype} has no numpy equivalent and cannot "
+                            "live in shared memory; convert it (e.g. to torch.float32)") from None
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"{label}: {dtype!r} is not a numpy dtype") from None
+    if dt.hasobject or dt.fields is not None or dt.subdtype is not None or dt.itemsize == 0:
+        raise TypeError(f"{label}: dtype {dt} cannot live in shared memory; use a fixed-size "
+                        "numeric, bool or fixed-width string dtype")
+    return _native(dt), False
+
+
+def schema_from_spec(spec) -> tuple[KeySchema, ...]:
+    """``{key: (per-env shape, dtype)}`` -> schema; a torch dtype makes ``get`` return torch."""
+    if not isinstance(spec, Mapping) or not spec:
+        raise TypeError(f"spec must be a non-empty dict of key -> (per-env shape, dtype), "
+                        f"got {spec!r}")
+    out = []
+    for i, (key, entry) in enumerate(spec.items()):
+        _check_key(key, "spec")
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise TypeError(f"spec[{key!r}] must be a (per-env shape, dtype) pair, got {entry!r}")
+        shape = validate_shape(key, entry[0])
+        dtype, torch = numpy_dtype(f"spec[{key!r}]", entry[1])
+        out.append(KeySchema(key, f"k{i}", shape, dtype, torch))
+    return tuple(out)
+
+
+def _check_key(key, where: str) -> None:
+    if not isinstance(key, str):
+        raise TypeError(f"{where}: keys must be str, got {key!r} ({type(key).__name__})")
+
+
+def _kind_error(label: str, value, n_rows: int) -> TypeError:
+    return TypeError(
+        f"{label}: got {type(value).__name__}; HistoryBuffer stores numpy arrays and torch "
+        f"tensors with a leading env dim of {n_rows}, or str/bytes/bool/int/float scalars "
+        "broadcast to every env (convert lists with np.asarray)")
+
+
+def _infer(key, value, column: str, n_rows: int) -> KeySchema:
+    label = _label("append", key)
+    if isinstance(value, _SCALARS):
+        dtype = np.asarray(value).dtype
+        if dtype.kind in "US":
+            chars = dtype.itemsize // np.dtype(dtype.kind + "1").itemsize
+            dtype = np.dtype(f"{dtype.kind}{max(chars, MIN_STR_WIDTH)}")
+        return KeySchema(key, column, (), numpy_dtype(label, dtype)[0])
+    if is_tensor(value):
+        dtype = numpy_dtype(label, value.dtype)[0]
+        shape, device = tuple(value.shape), str(value.device)
+    elif isinstance(value, np.ndarray):
+        dtype, shape, device = numpy_dtype(label, value.dtype)[0], value.shape, "cpu"
+    else:
+        raise _kind_error(label, value, n_rows)
+    if len(shape) == 0 or shape[0] != n_rows:
+        raise ValueError(f"{label}: expected a leading env dim of {n_rows}, got shape {shape}")
+    return KeySchema(key, column, tuple(shape[1:]), dtype, is_tensor(value), device)
+
+
+def schema_from_info(info, n_rows: int) -> tuple[KeySchema, ...]:
+    """Infer the schema from a first append's info dict (validated as a whole)."""
+    if not isinstance(info, Mapping) or not info:
+        raise TypeError(f"append: info_dict must be a non-empty dict, got {info!r}")
+    for key in info:
+        _check_key(key, "append")
+    return tuple(_infer(k, v, f"k{i}", n_rows) for i, (k, v) in enumerate(info.items()))
+
+
+def _coerce_one(s: KeySchema, value, n_rows: int):
+    label = _label("append", s.key)
+    if isinstance(value, _SCALARS):
+        if s.shape != ():
+            raise ValueError(f"{label}: got a scalar, but the key holds per-env values of "
+                             f"shape {s.shape}; pass an array of shape {(n_rows,) + s.shape}")
+        arr = np.asarray(value)
+        if arr.dtype.kind in "US" and s.dtype.kind == arr.dtype.kind and \
+                arr.dtype.itemsize > s.dtype.itemsize:
+            raise TypeError(f"{label}: {value!r} does not fit the key's fixed width {s.dtype}; "
+                            "declare a wider dtype with spec=")
+        return np.broadcast_to(coerce(label, arr, s.dtype, ()), (n_rows,))
+    if not (is_tensor(value) or isinstance(value, np.ndarray)):
+        raise _kind_error(label, value, n_rows)
+    return coerce(label, value, s.dtype, (n_rows,) + s.shape)
+
+
+def coerce_info(schema: tuple[KeySchema, ...], info, n_rows: int) -> dict[str, np.ndarray]:
+    """``{column: (n_rows, *shape) array}`` for ``info``; raises before anything is written."""
+    if not isinstance(info, Mapping):
+        raise TypeError(f"append: info_dict must be a dict, got {type(info).__name__}")
+    names = {s.key for s in schema}
+    if info.keys() != names:
+        missing = sorted(names - info.keys(), key=str)
+        unknown = sorted(info.keys() - names, key=str)
+        raise KeyError(f"append: missing keys {missing}, unknown keys {unknown}; this buffer's "
+                       f"keys are {sorted(names)} (fixed by spec= or the first append)")
+    return {s.column: _coerce_one(s, info[s.key], n_rows) for s in schema}
+
+
+def schema_meta(schema: tuple[KeySchema, ...]) -> list:
+    return [s.meta() for s in schema]
+
+
+def schema_from_meta(meta: list, spec: dict) -> tuple[KeySchema, ...]:
+    """Rebuild the schema of an attached buffer from its metadata and column spec."""
+    out = []
+    for i, (key, torch, device) in enumerate(meta):
+        shape, dtype = spec[f"k{i}"]
+        out.append(KeySchema(key, f"k{i}", tuple(shape), np.dtype(dtype), bool(torch), device))
+    return tuple(out)

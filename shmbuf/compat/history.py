@@ -1,0 +1,512 @@
+"""Drop-in for ``stable_worldmodel.buffer.HistoryBuffer``, in shared memory.
+
+Each env is one key of ``shmbuf.keyed`` rings: it keeps its own last
+``max_len`` entries whatever the other envs do, workers append their own
+envs from other processes, and ``get`` is one vectorised gather, validated
+against concurrent appends.  See ``HistoryBuffer`` for the contract and the
+deliberate differences from upstream.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import os
+
+import numpy as np
+
+from .. import keyed
+from .._strided import AgeTables, contiguous_window
+from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
+                       SegmentExistsError)
+from .._errors import SegmentNotFoundError
+from .._segment import SHM_DIR, generate_name, validate_name
+from . import _infos
+from ._base import to_numpy
+
+def _int(arg: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
+
+
+def _positive(arg: str, value) -> int:
+    value = _int(arg, value)
+    if value <= 0:
+        raise ValueError(f"{arg} must be positive, got {value}")
+    return value
+
+
+def _block_keys(block_keys) -> frozenset:
+    if isinstance(block_keys, (str, bytes)):
+        raise TypeError(f"block_keys must be an iterable of key names, not the string "
+                        f"{block_keys!r}; did you mean ({block_keys!r},)?")
+    return frozenset(block_keys)
+
+
+class HistoryBuffer:
+    """Per-env ring buffer over batched info dicts, shared across processes.
+
+    Drop-in for ``stable_worldmodel.buffer.HistoryBuffer``: ``append`` takes a
+    dict of values with a leading env dim; ``get(n)`` returns per env the
+    ``n`` strided frames anchored at the newest entry (ages ``0, ab, 2ab, ...``
+    with ``ab = action_block``), oldest first.  Shapes: a per-step ``(n_envs,)``
+    value gives ``(E, n)``; ``(n_envs, T, ...)`` gives ``(E, n*T, ...)``; a
+    key in ``block_keys`` gives ``(E, n-1, ab*D)``, block ``i`` being the
+    ``ab`` entries after frame ``i`` up to and including frame ``i+1``
+    (NaN zeroed; omitted when ``n == 1``).
+
+    Warm-up: an env with ``L`` entries has ``k = min(n, (L-1)//ab + 1)`` real
+    frames; the rest repeat its **oldest strided** entry (upstream's actual
+    behaviour, which differs from "oldest entry" when ``(L-1) % ab != 0``),
+    and the missing blocks are zero.  If ``max_len < (n-1)*ab + 1`` the
+    padding never ends, as upstream.
+
+    Differences from upstream (bugs fixed): ``append`` copies (later mutation
+    of the caller's arrays never leaks in); it validates every value first and
+    writes all envs or none; the key set is fixed by ``spec=`` or the first
+    append, and a missing or unknown key is a KeyError; only NaN is zeroed in
+    blocks (upstream also clamps +-inf); ``env_ids=[]`` gives empty arrays
+    instead of IndexError.  Strings and python scalars are broadcast to every
+    env as upstream, stored with a fixed-width dtype (strings at least 32
+    characters wide; a longer one later is a TypeError: declare it with
+    ``spec=``); lists, None and other objects are a TypeError.  Torch inputs
+    come back as torch tensors on the input's device; numpy as numpy.
+
+    Sharing: the segment needs the schema, so it is created by ``spec=`` in
+    the constructor or by the first append **in the constructing process**;
+    that process owns it and unlinks it on ``close()``, garbage collection or
+    exit.  The name is fixed at construction, so a handle pickled earlier (to
+    a spawned worker) attaches lazily once the segment exists; before that its
+    ``get`` returns None and its ``append`` raises ``SchemaPendingError``.
+    Pass ``spec=`` when workers may append first.  Each env must be appended
+    by one process (and thread) at a time (``append(info, env_ids=[...])``);
+    any number of processes may ``get`` meanwhile, and ``reset`` may come
+    from anywhere.  ``get_view`` is the zero-copy variant;
+    ``state_dict``/``load_state_dict`` checkpoint through ``torch.save``.
+
+    Args:
+        n_envs: number of parallel environments.
+        max_len: entries retained per env (env steps).
+        action_block: frameskip, the stride of ``get``.
+        block_keys: keys returned as macro-blocks (typically ``('action',)``).
+        spec: optional ``{key: (per-env per-step shape, dtype)}``; a torch
+            dtype makes ``get`` return torch tensors for that key.
+        seed: seed of the buffer's own ``np.random.Generator`` (``rng``);
+            nothing here is random, it exists for uniformity with the others.
+        name: segment name; generated if None.
+
+    Raises:
+        ValueError / TypeError: a bad argument (the message names it).
+        SegmentExistsError: ``name`` is taken.
+
+    Example:
+        >>> buf = HistoryBuffer(n_envs=2, max_len=5, action_block=2, block_keys=('action',))
+        >>> buf.append({'pixels': np.zeros((2, 1, 64, 64, 3), np.uint8),
+        ...             'action': np.zeros((2, 1, 2), np.float32)})
+        >>> buf.get(3)['pixels'].shape   # (2, 3, 64, 64, 3)
+    """
+
+    SPARE = keyed.DEFAULT_SPARE
+    _rings = None
+    _schema = None
+    _closed = False
+    _creator = False
+    _creator_pid = -1
+
+    def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
+                 spec=None, seed=None, name: str | None = None):
+        self._set_params(_positive("n_envs", n_envs), _positive("max_len", max_len),
+                         _positive("action_block", action_block), _block_keys(block_keys))
+        schema = _infos.schema_from_spec(spec) if spec is not None else None
+        self._name = generate_name() if name is None else validate_name(name)
+        if os.path.exists(os.path.join(SHM_DIR, self._name)):
+            raise SegmentExistsError(errno.EEXIST, f"segment {self._name!r} already exists; pick "
+                                     "another name or attach with HistoryBuffer.attach")
+        self._creator, self._creator_pid = True, os.getpid()
+        self.rng = np.random.default_rng(seed)
+        if schema is not None:
+            self._create(schema)
+
+    def _set_params(self, n_envs, max_len, action_block, block_keys) -> None:
+        self.n_envs, self.max_len, self.action_block = n_envs, max_len, action_block
+        self.block_keys = frozenset(block_keys)
+        self._all = np.arange(n_envs, dtype=np.int64)
+
+    def _params(self) -> dict:
+        return {"n_envs": self.n_envs, "max_len": self.max_len,
+                "action_block": self.action_block, "block_keys": sorted(self.block_keys)}
+
+    # -- the segment ------------------------------------------------------------
+    def _create(self, schema) -> None:
+        meta = {"facade": "HistoryBuffer", "params": self._params(),
+                "keys": _infos.schema_meta(schema)}
+        try:
+            rings = keyed.create({s.column: (s.shape, s.dtype) for s in schema}, self.n_envs,
+                                 self.max_len, spare=self.SPARE, name=self._name, meta=meta)
+        except ValueError as exc:
+            if "meta" in str(exc):
+                raise ValueError(f"HistoryBuffer: the key names are too long to record "
+                                 f"({exc}); use fewer or shorter keys") from None
+            raise
+        self._bind(rings, schema)
+
+    def _bind(self, rings, schema) -> None:
+        self._rings, self._schema = rings, schema
+        self._ages, self._part_cache = AgeTables(self.action_block), {}
+        self._frame_cols = [s for s in schema if s.key not in self.block_keys]
+        self._block_cols = [s for s in schema if s.key in self.block_keys]
+        self._ring_views = rings.views
+        self._width = {s.column: int(np.prod(s.shape, dtype=np.int64)) for s in schema}
+        # frames with a time dim T > 1 at a stride > 1 are no single strided view
+        self._long_steps = any(s.shape and s.shape[0] > 1 for s in self._frame_cols)
+
+    def _bind_attached(self, rings, adopt: bool = False) -> None:
+        """Bind attached ``rings``; ``adopt`` takes the parameters from their metadata."""
+        meta = rings.meta
+        if meta.get("facade") != "HistoryBuffer":
+            raise CorruptSegmentError(f"segment {rings.name!r} holds keyed rings that were not "
+                                      "made by a HistoryBuffer")
+        if adopt:
+            p = meta["params"]
+            self._set_params(p["n_envs"], p["max_len"], p["action_block"], p["block_keys"])
+        elif meta["params"] != self._params():
+            raise CorruptSegmentError(f"segment {rings.name!r} was made with {meta['params']}, "
+                                      f"but this handle expects {self._params()}")
+        self._bind(rings, _infos.schema_from_meta(meta["keys"], rings.spec))
+
+    def _may_create(self) -> bool:
+        return self._creator and os.getpid() == self._creator_pid
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"HistoryBuffer {self._name!r} is closed")
+
+    def _ensure(self):
+        """The rings, attaching lazily in other processes; None while there is no schema."""
+        self._check_open()
+        if self._rings is None and not self._may_create():
+            try:
+                rings = keyed._attach_once(self._name)
+            except SegmentNotFoundError:
+                return None
+            if rings is not None:
+                try:
+                    self._bind_attached(rings)
+                except BaseException:
+                    rings.close()
+                    raise
+        return self._rings
+
+    def _env_ids(self, env_ids, verb: str, distinct: bool = False) -> np.ndarray:
+        if env_ids is None:
+            return self._all
+        arr = np.asarray(env_ids)
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise TypeError(f"{verb}: env_ids must be a list of ints, got {env_ids!r}")
+        arr = arr.astype(np.int64)
+        bad = (arr < -self.n_envs) | (arr >= self.n_envs)
+        if bad.any():
+            raise IndexError(f"{verb}: env id {arr[bad][0]} is out of range for "
+                             f"n_envs={self.n_envs}")
+        arr = np.where(arr < 0, arr + self.n_envs, arr)
+        if distinct and np.unique(arr).size != arr.size:
+            raise ValueError(f"{verb}: env_ids must be distinct, got {arr.tolist()}")
+        return arr
+
+    # -- the seed API -----------------------------------------------------------
+    def append(self, info_dict: dict, env_ids=None) -> None:
+        """Append one entry per env from a batched info dict.
+
+        Args:
+            info_dict: ``{key: value}`` with a leading dim of ``n_envs`` (or
+                ``len(env_ids)``): numpy arrays or torch tensors; str and
+                python/numpy scalars are broadcast to every env.
+            env_ids: the envs the rows belong to (distinct; negative ids
+                count from the end; all if None).  A worker that owns some
+                envs appends just their rows; ``[]`` with 0-row values is a
+                no-op.
+
+        Raises:
+            KeyError: a key is missing or unknown (keys are fixed).
+            ValueError / TypeError: a wrong leading dim, shape or dtype, a lossy
+                cast, or an unsupported value; nothing is written.
+            SchemaPendingError: this process did not construct the buffer and
+                the buffer has no schema yet (pass ``spec=``).
+
+        Example:
+            >>> buf.append({'pixels': frames[:2], 'action': acts[:2]}, env_ids=[0, 1])
+        """
+        envs = self._env_ids(env_ids, "append", distinct=True)
+        rings = self._ensure()
+        if rings is None:
+            if not self._may_create():
+                raise SchemaPendingError(
+                    f"HistoryBuffer {self._name!r} has no schema yet: only the process that "
+                    "constructed it creates it, at its first append; pass spec= to the "
+                    "constructor so that workers can append first (or the buffer was closed)")
+            schema = _infos.schema_from_info(info_dict, len(envs))
+            values = _infos.coerce_info(schema, info_dict, len(envs))
+            self._create(schema)
+        else:
+            values = _infos.coerce_info(self._schema, info_dict, len(envs))
+        self._rings.append(envs, values)
+
+    def get(self, n: int, env_ids=None) -> dict | None:
+        """Return the last ``n`` strided entries per env, padded in warm-up.
+
+        Args:
+            n: strided entries per env.
+            env_ids: envs to build history for, in this order, duplicates
+                allowed (all if None).  ``[]`` gives arrays with 0 rows.
+
+        Returns:
+            ``{key: array or tensor}`` as described in the class docstring,
+            or None if ``n <= 0``, any selected env is empty, or nothing was
+            ever appended.
+
+        Raises:
+            SampleRetryError: writers lapped an env's ring on every try.
+
+        Example:
+            >>> out = buf.get(3, env_ids=[1, 0])
+        """
+        self._check_open()
+        n = _int("n", n)
+        if n <= 0:
+            return None
+        envs = self._env_ids(env_ids, "get")
+        rings = self._ensure()
+        if rings is None:
+            return None
+        if not len(envs):
+            return self._assemble(n, {}, empty=True)
+        arrays, lengths = rings.read(None if env_ids is None else envs,
+                                     functools.partial(self._ages.lookup, n), self._parts(n))
+        if np.count_nonzero(lengths) < len(lengths):
+            return None   # some selected env is empty
+        return self._assemble(n, arrays)
+
+    def _parts(self, n: int) -> dict:
+        """Which ages of ``AgeTables.lookup(n)`` each column reads."""
+        parts = self._part_cache.get(n)
+        if parts is None:
+            frames, blocks = slice(0, n), slice(n, None)
+            parts = {s.column: frames for s in self._frame_cols}
+            if n > 1:
+                parts.update({s.column: blocks for s in self._block_cols})
+            if len(self._part_cache) >= 16:
+                self._part_cache.clear()
+            self._part_cache[n] = parts
+        return parts
+
+    def _assemble(self, n: int, arrays: dict, empty: bool = False) -> dict:
+        ab, out = self.action_block, {}
+        for s in self._schema:
+            block = s.key in self.block_keys
+            if block and n == 1:
+                continue
+            if empty:
+                arr = np.zeros((0, (n - 1) * ab if block else n) + s.shape, s.dtype)
+            else:
+                arr = arrays[s.column]
+            if block:
+                arr = arr.reshape(len(arr), n - 1, ab * self._width[s.column])
+                if arr.dtype.kind in "fc":
+                    nan = np.isnan(arr)
+                    if np.count_nonzero(nan):
+                        arr[nan] = 0
+            elif s.shape:
+                arr = arr.reshape((len(arr), n * s.shape[0]) + s.shape[1:])
+            out[s.key] = _to_output(s, arr)
+        return out
+
+    def get_view(self, n: int, env_id: int) -> dict | None:
+        """Zero-copy ``get(n, [env_id])`` for one env, without the env dim, when possible.
+
+        Returns views into the shared ring where the window needs no padding
+        (the env holds at least ``(n-1)*ab + 1`` entries), does not wrap around
+        the ring's end, and each key's frames can be one strided view (per-step
+        time dim T == 1, or ``action_block == 1``); otherwise None: use ``get``.
+        Block keys are raw views: NaN is **not** zeroed.  Torch keys come back
+        as CPU tensors sharing the memory.  The views are live: they stay
+        intact for at least ``SPARE`` further appends to that env, after which
+        later appends overwrite them.  Copy what you keep.
+
+        Example:
+            >>> view = buf.get_view(3, 0)
+            >>> frames = view['pixels'] if view is not None else buf.get(3, [0])['pixels'][0]
+        """
+        self._check_open()
+        n, env = _int("n", n), _int("env_id", env_id)
+        if not -self.n_envs <= env < self.n_envs:
+            raise IndexError(f"get_view: env id {env} is out of range for n_envs={self.n_envs}")
+        rings = self._ensure()
+        if n <= 0 or rings is None or (self.action_block > 1 and self._long_steps):
+            return None
+        ab, env = self.action_block, env % self.n_envs
+        window = contiguous_window(n, ab, *rings.bounds_of(env), rings.ring_len)
+        if window is None:
+            return None
+        first, last = window
+        out = {}
+        for s in self._schema:
+            ring = self._ring_views[s.column][env]
+            if s.key not in self.block_keys:
+                arr = ring[first:last + 1:ab]
+                arr = arr.reshape((n * s.shape[0],) + s.shape[1:]) if s.shape else arr
+            elif n > 1:
+                arr = ring[first + 1:last + 1].reshape(n - 1, ab * self._width[s.column])
+            else:
+                continue
+            out[s.key] = _to_output(s, arr, move=False)
+        return out
+
+    def reset(self, env_ids=None) -> None:
+        """Clear the given envs (all if None; ``[]``: none); other envs keep their history.
+
+        Example:
+            >>> buf.reset(env_ids=[0])
+        """
+        envs = self._env_ids(env_ids, "reset")
+        rings = self._ensure()
+        if rings is not None and len(envs):
+            rings.reset(envs)
+
+    def _lengths(self, env_ids=None) -> np.ndarray:
+        envs = self._env_ids(env_ids, "num_strided")
+        rings = self._ensure()
+        if rings is None or not len(envs):
+            return np.zeros(len(envs), np.int64)
+        return rings.lengths(envs)
+
+    def num_strided(self, env_ids=None) -> list[int]:
+        """Real strided frames per env: ``(L-1)//action_block + 1``, or 0 when empty.
+
+        Example:
+            >>> n = min(8, *buf.num_strided())   # shrink n instead of padding
+        """
+        lengths = self._lengths(env_ids)
+        return np.where(lengths > 0, (lengths - 1) // self.action_block + 1, 0).tolist()
+
+    def __len__(self) -> int:
+        """Minimum entry count over all envs."""
+        return int(self._lengths().min())
+
+    # -- identity and lifecycle ---------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The shared-memory name, for ``HistoryBuffer.attach(name)``."""
+        return self._name
+
+    @property
+    def owner(self) -> bool:
+        """True in the constructing process, which unlinks the segment."""
+        return self._may_create()
+
+    @classmethod
+    def attach(cls, name: str) -> "HistoryBuffer":
+        """Attach to a HistoryBuffer made by another process; never unlinks it.
+
+        Raises:
+            SegmentNotFoundError: no such segment (or it has no schema yet).
+            CorruptSegmentError: the segment is not a HistoryBuffer.
+
+        Example:
+            >>> planner_view = HistoryBuffer.attach("shmbuf-1a2b3c4d5e6f")
+        """
+        rings = keyed.attach(name)
+        self = cls.__new__(cls)
+        self._name, self.rng = name, np.random.default_rng()
+        try:
+            self._bind_attached(rings, adopt=True)
+        except BaseException:
+            rings.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Unmap in this process; the constructing process also unlinks.  Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._rings is not None:
+            self._rings.close()
+
+    def unlink(self) -> None:
+        """Remove the segment's name now (constructing process only)."""
+        if not self._may_create():
+            raise PermissionError(f"HistoryBuffer {self._name!r} was not constructed in this "
+                                  "process; only its owner unlinks it")
+        if self._rings is not None:
+            self._rings.unlink()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        return _rebuild, (self._name, self._params(), self._rings is not None)
+
+    def __repr__(self):
+        state = "closed" if self._closed else ("no schema yet" if self._rings is None else
+                                               f"keys={[s.key for s in self._schema]}")
+        return (f"<shmbuf HistoryBuffer {self._name!r} n_envs={self.n_envs} "
+                f"max_len={self.max_len} {state}>")
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Copies of every env's live entries, as torch tensors and plain values.
+
+        ``torch.save(buf.state_dict(), path)`` then ``torch.load(path,
+        weights_only=True)`` works.  Entries are concatenated per env, oldest
+        first, env 0 first; ``lengths`` says how many each env has.
+
+        Example:
+            >>> torch.save(buf.state_dict(), "history.pt")
+        """
+        from . import _history_state
+
+        return _history_state.state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace every env's history with a ``state_dict``'s, in order.
+
+        Keeps this buffer's ``max_len`` (an env with more entries keeps its
+        newest), ``action_block`` and ``block_keys``.  Restore while no
+        worker appends.
+
+        Raises:
+            ValueError: another format, ``n_envs`` or schema; nothing is changed.
+
+        Example:
+            >>> buf.load_state_dict(torch.load("history.pt", weights_only=True))
+        """
+        from . import _history_state
+
+        _history_state.load_state_dict(self, to_numpy(dict(state)))
+
+
+def _to_output(s, arr, move: bool = True):
+    if not s.torch:
+        return arr
+    import torch
+
+    t = torch.from_numpy(arr)
+    return t.to(s.device) if move and s.device != "cpu" else t
+
+
+def _rebuild(name: str, params: dict, created: bool) -> HistoryBuffer:
+    self = HistoryBuffer.__new__(HistoryBuffer)
+    self._name, self.rng = name, np.random.default_rng()
+    self._set_params(params["n_envs"], params["max_len"], params["action_block"],
+                     params["block_keys"])
+    if created:
+        rings = keyed.attach(name)
+        try:
+            self._bind_attached(rings)
+        except BaseException:
+            rings.close()
+            raise
+    return self
