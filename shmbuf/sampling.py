@@ -68,12 +68,16 @@ class WindowFinder:
         rows = starts[:, None] + t
         covered = count - offset
         hops, hop_seqs = [chunk], [seq]
+        cur = chunk
         for _ in range(length):
             need = ok & (covered < length)
             if not need.any():
                 break
-            ok &= ~need | (nxt > 0)
-            need &= nxt > 0
+            # A writer links a successor only once the chunk is full; a count
+            # read before it filled up would make the window skip rows.
+            full = count == self.ring.chunk_rows[cur]
+            ok &= ~need | ((nxt > 0) & full)
+            need &= ok
             succ = np.where(need, nxt - 1, 0)
             s2, (c2, n2, ns2) = self._snapshot(succ)
             ok &= ~need | (s2 == nxt_seq)
@@ -84,6 +88,7 @@ class WindowFinder:
             hop_seqs.append(s2)
             covered = np.where(need, covered + c2, covered)
             nxt, nxt_seq = np.where(need, n2, 0), ns2
+            cur, count = succ, c2
         ok &= covered >= length
         good = np.flatnonzero(ok)
         ok[good] = self.ep[rows[good, 0]] == self.ep[rows[good, -1]]
