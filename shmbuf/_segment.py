@@ -13,10 +13,12 @@ import mmap
 import os
 import re
 import secrets
+import weakref
 
+import numpy as np
 import posix_ipc
 
-from ._errors import (SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
+from ._errors import (BufferClosedError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
 
 PREFIX = "shmbuf-"
@@ -177,3 +179,78 @@ def finalize_segment(segment: "Segment", unlink_in_pid: int | None) -> None:
         except FileNotFoundError:
             pass
     segment.close()
+
+
+def column_views(segment: Segment, layout, columns) -> dict:
+    """Numpy views ``(capacity, *shape)`` of ``columns`` inside ``segment``.
+
+    ``frombuffer`` holds a buffer export on the mmap, so the mapping cannot be
+    closed under a view that a caller still holds (it is unmapped when the
+    last view goes).
+    """
+    return {c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes
+                                  // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
+            for c in columns}
+
+
+class Mapped:
+    """Lifecycle of an object over one segment, like CPython's SharedMemory.
+
+    The creator owns the segment: ``close()``, the end of a ``with`` block,
+    garbage collection or a normal exit unlink it, in the creating process
+    only.  Attachers, and forked children of the owner, only unmap.
+    """
+
+    _segment = None
+    _closed = True
+    owner = False
+    KIND_NAME = "buffer"
+
+    def _open(self, segment: Segment) -> None:
+        self._segment = segment
+        self._pid = os.getpid()
+        self.owner = segment.owner
+        self._closed = False
+        self._finalizer = weakref.finalize(self, finalize_segment, segment,
+                                           self._pid if segment.owner else None)
+
+    @property
+    def name(self) -> str:
+        """The segment's name, for ``attach(name)`` in any process."""
+        return self._segment.name
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"{self.KIND_NAME} {self._segment.name!r} is closed")
+
+    def _release(self) -> None:
+        """Drop this object's references into the mapping (subclasses extend)."""
+
+    def close(self) -> None:
+        """Unmap in this process; the owner also unlinks.  Idempotent.
+
+        Views handed out earlier stay valid (they keep the mapping alive), but
+        every method raises BufferClosedError afterwards.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._release()
+        self._finalizer()
+
+    def unlink(self) -> None:
+        """Remove the segment's name now (owner, in its own process, only)."""
+        if not self.owner or self._pid != os.getpid():
+            raise PermissionError(
+                f"{self.KIND_NAME} {self.name!r} was attached, not created, in this process; "
+                f"only its owner unlinks it (or run 'python -m shmbuf rm {self.name}')")
+        try:
+            self._segment.unlink()
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

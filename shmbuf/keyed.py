@@ -42,18 +42,16 @@ from __future__ import annotations
 import json
 import os
 import time
-import weakref
 
 import numpy as np
 
 from . import _atomic as atomic
-from ._errors import BufferClosedError, CorruptSegmentError, SampleRetryError
+from ._errors import CorruptSegmentError, SampleRetryError
 from ._cast import coerce
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COLUMN_TABLE, KIND_KEYED, MAGIC, Layout,
                       decode_header, encode_header, encode_meta, plan)
 from ._procs import my_start_time
-from ._segment import Segment, generate_name, validate_name
-from ._segment import finalize_segment as _finalize  # owners unlink in their own pid only
+from ._segment import Mapped, Segment, column_views, generate_name, validate_name
 
 DEFAULT_SPARE = 4
 MAX_ATTEMPTS = 100
@@ -68,19 +66,16 @@ def _positive(arg: str, value, upper: int = 1 << 40) -> int:
     return int(value)
 
 
-class KeyedRings:
+class KeyedRings(Mapped):
     """``n_keys`` rings of entries in one shared segment; see the module docstring.
 
     Make one with ``create`` or ``attach``.  Pickling sends the name: the
     receiving process attaches and never unlinks.
     """
 
-    _segment = None
-    _closed = True
-    owner = False
+    KIND_NAME = "keyed rings"
 
     def __init__(self, segment: Segment, layout: Layout, meta: dict):
-        self._segment = segment
         self._layout = layout
         self._meta = meta
         self._mm = segment.mmap
@@ -89,23 +84,12 @@ class KeyedRings:
         base = layout.chunks_offset + np.arange(self.n_keys, dtype=np.int64) * CHUNK_ENTRY
         self._count_off = base + CHUNK_FIELDS["count"]
         self._next_off = base + CHUNK_FIELDS["next"]
-        self._views = {
-            c.name: np.ndarray((layout.capacity,) + c.shape, c.dtype, segment.mmap, c.offset)
-            for c in layout.user_columns}
+        self._views = column_views(segment, layout, layout.user_columns)
         self._all = np.arange(self.n_keys, dtype=np.int64)
         self._base = self._all * self.ring_len  # first row of each key's ring
-        self._pid = os.getpid()
-        self.owner = segment.owner
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _finalize, segment,
-                                           self._pid if segment.owner else None)
+        self._open(segment)
 
     # -- identity ---------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        """The segment's name, for ``attach(name)`` in any process."""
-        return self._segment.name
-
     @property
     def spare(self) -> int:
         """Slots per ring beyond ``max_len`` (tolerance to appends during a read)."""
@@ -130,10 +114,6 @@ class KeyedRings:
         self._check_open()
         return {k: v.reshape((self.n_keys, self.ring_len) + v.shape[1:])
                 for k, v in self._views.items()}
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"keyed rings {self._segment.name!r} are closed")
 
     # -- indexes ----------------------------------------------------------------
     def _keys(self, keys, verb: str, distinct: bool) -> np.ndarray:
@@ -328,30 +308,8 @@ class KeyedRings:
         return out, oldest
 
     # -- lifecycle --------------------------------------------------------------
-    def close(self) -> None:
-        """Unmap in this process; the owner also unlinks.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         self._views = None
-        self._finalizer()
-
-    def unlink(self) -> None:
-        """Remove the segment name now (owner, in its own process, only)."""
-        if not self.owner or self._pid != os.getpid():
-            raise PermissionError(
-                f"keyed rings {self.name!r} were attached, not created, in this process; "
-                f"only their owner unlinks them (or run 'python -m shmbuf rm {self.name}')")
-        try:
-            self._segment.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         return attach, (self.name,)

@@ -59,7 +59,6 @@ class WindowFinder:
 
     def locate(self, starts: np.ndarray, length: int):
         """Validity mask and Windows for candidate start rows (any order)."""
-        m = len(starts)
         t = np.arange(length, dtype=np.int64)
         chunk = starts // self.k
         seq, (count, nxt, nxt_seq) = self._snapshot(chunk)

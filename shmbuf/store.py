@@ -5,18 +5,17 @@ import dataclasses
 import json
 import os
 import time
-import weakref
 
 import numpy as np
 
 from . import _atomic as atomic
 from . import _checkpoint
-from ._errors import BufferClosedError, CorruptSegmentError, SampleRetryError, WaitTimeoutError
+from ._errors import CorruptSegmentError, SampleRetryError, WaitTimeoutError
 from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, Layout, decode_header, encode_header,
                       encode_meta, pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
-from ._segment import Segment, finalize_segment as _finalize, generate_name, validate_name
+from ._segment import Mapped, Segment, column_views, generate_name, validate_name
 from ._out import prepare_out as _prepare_out
 from .sampling import WindowFinder
 from .writer import Writer
@@ -50,43 +49,25 @@ class Stats:
     owner_alive: bool
 
 
-class Buffer:
+class Buffer(Mapped):
     """A replay buffer in shared memory; make one with ``create`` or ``attach``.
 
     Pickling a buffer sends its name: the receiving process attaches to the
     same live memory and never unlinks it.
     """
 
-    _segment = None
-    _closed = True
-    owner = False
-
     def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
                  seed=None):
-        self._segment = segment
         self._layout = layout
         self._owner_pid, self._owner_start = owner
         self._meta = meta
         self._ring = Ring(segment.mmap, layout)
-        self._views = {
-            # frombuffer holds a buffer export on the mmap, so the mapping
-            # cannot be closed under a view that a caller still holds.
-            c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes
-                                  // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
-            for c in layout.columns}
+        self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring, self._views[EP_COLUMN])
         self._rng = np.random.default_rng(seed)
-        self.owner = segment.owner
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _finalize, segment,
-                                           os.getpid() if segment.owner else None)
+        self._open(segment)
 
     # -- identity -----------------------------------------------------------
-    @property
-    def name(self) -> str:
-        """The segment's name, for ``shmbuf.attach(name)``."""
-        return self._segment.name
-
     @property
     def capacity(self) -> int:
         """Steps the buffer holds before the oldest are recycled."""
@@ -120,10 +101,6 @@ class Buffer:
         """Live steps right now (cheap: one pass over the chunk counts)."""
         self._check_open()
         return self._ring.live_steps()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"buffer {self._segment.name!r} is closed")
 
     # -- views ----------------------------------------------------------------
     @property
@@ -307,34 +284,8 @@ class Buffer:
         _checkpoint.restore(self, state)
 
     # -- lifecycle ----------------------------------------------------------------
-    def close(self) -> None:
-        """Unmap the buffer in this process; the owner also unlinks it.  Idempotent.
-
-        Views from ``arrays`` stay valid (they keep the mapping alive) but
-        every buffer method raises BufferClosedError afterwards.
-        """
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         self._views = self._ring = self._finder = None
-        self._finalizer()
-
-    def unlink(self) -> None:
-        """Remove the segment name now (owner only); attached processes keep their mapping."""
-        if not self.owner:
-            raise PermissionError(
-                f"buffer {self.name!r} was attached, not created, here; only its owner "
-                f"unlinks it (or run 'python -m shmbuf rm {self.name}')")
-        try:
-            self._segment.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def __reduce__(self):
         return attach, (self.name,)
