@@ -212,6 +212,9 @@ class Buffer(Mapped):
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
         """Block until at least ``min_steps`` steps are live; return the count.
 
+        It counts steps, not windows: a sample of long windows can still raise
+        NotEnoughDataError if the live steps lie in short episodes.
+
         Raises:
             WaitTimeoutError: ``timeout`` seconds passed first.
             ValueError: ``min_steps`` exceeds the capacity (it could never be met).
