@@ -57,8 +57,12 @@ class WindowFinder:
         atomic.load_many(self.mm, self.ring.next_seq_off[chunks], rest[2])
         return (state >> np.uint64(32)).astype(np.int64), rest.astype(np.int64)
 
-    def locate(self, starts: np.ndarray, length: int):
-        """Validity mask and Windows for candidate start rows (any order)."""
+    def locate(self, starts: np.ndarray, length: int, tail: int = 0):
+        """Validity mask and Windows for candidate start rows (any order).
+
+        The first ``length - tail`` rows must share an episode; the last
+        ``tail`` rows only have to follow them in the stream.
+        """
         t = np.arange(length, dtype=np.int64)
         chunk = starts // self.k
         seq, (count, nxt, nxt_seq) = self._snapshot(chunk)
@@ -81,8 +85,8 @@ class WindowFinder:
             s2, (c2, n2, ns2) = self._snapshot(succ)
             ok &= ~need | (s2 == nxt_seq)
             need &= ok
-            tail = need[:, None] & (t >= covered[:, None])
-            rows = np.where(tail, (succ * self.k - covered)[:, None] + t, rows)
+            spill = need[:, None] & (t >= covered[:, None])
+            rows = np.where(spill, (succ * self.k - covered)[:, None] + t, rows)
             hops.append(np.where(need, succ, -1))
             hop_seqs.append(s2)
             covered = np.where(need, covered + c2, covered)
@@ -90,7 +94,7 @@ class WindowFinder:
             cur, count = succ, c2
         ok &= covered >= length
         good = np.flatnonzero(ok)
-        ok[good] = self.ep[rows[good, 0]] == self.ep[rows[good, -1]]
+        ok[good] = self.ep[rows[good, 0]] == self.ep[rows[good, length - 1 - tail]]
         hop_chunks = np.stack(hops, axis=1)
         hop_chunks[~ok] = -1
         return ok, Windows(rows, hop_chunks, np.stack(hop_seqs, axis=1))
@@ -105,7 +109,7 @@ class WindowFinder:
         same[used] = (state >> np.uint64(32)).astype(np.int64) == w.seqs[used]
         return same.all(axis=1)
 
-    def draw(self, rng: np.random.Generator, batch: int, length: int) -> Windows:
+    def draw(self, rng: np.random.Generator, batch: int, length: int, tail: int = 0) -> Windows:
         """``batch`` windows, uniform over every valid start row, with replacement."""
         ring = self.ring
         claimed = min(ring.counter("ticket"), ring.layout.n_chunks)
@@ -116,14 +120,15 @@ class WindowFinder:
             if not span or not need:
                 break
             m = min(max(2 * need, 64) << (2 * round_), cap)
-            ok, w = self.locate(rng.integers(0, span, m), length)
+            ok, w = self.locate(rng.integers(0, span, m), length, tail)
             keep = np.flatnonzero(ok)[:need]
             found.append(w.take(keep))
             need -= len(keep)
         for _ in range(_ROUNDS):
             if not need:
                 break
-            ok, w = self.locate(self._valid_starts(rng, need, length, claimed, cap), length)
+            ok, w = self.locate(self._valid_starts(rng, need, length, tail, claimed, cap),
+                                length, tail)
             keep = np.flatnonzero(ok)
             found.append(w.take(keep))
             need -= len(keep)
@@ -133,13 +138,14 @@ class WindowFinder:
                 "chosen chunks each time; the buffer is too small for its ingest rate")
         return _concat(found)
 
-    def _valid_starts(self, rng, need: int, length: int, claimed: int, block: int) -> np.ndarray:
+    def _valid_starts(self, rng, need: int, length: int, tail: int, claimed: int,
+                      block: int) -> np.ndarray:
         """``need`` start rows drawn from an enumeration of every committed row."""
         ring = self.ring
         counts = ring.count[:claimed].astype(np.int64)
         starts = np.repeat(ring.chunk_base[:claimed], counts)
         starts += np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)
-        valid = [starts[lo:lo + block][self.locate(starts[lo:lo + block], length)[0]]
+        valid = [starts[lo:lo + block][self.locate(starts[lo:lo + block], length, tail)[0]]
                  for lo in range(0, len(starts), block)]
         valid = np.concatenate(valid) if valid else starts
         if not len(valid):

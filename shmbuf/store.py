@@ -129,7 +129,7 @@ class Buffer(Mapped):
 
     # -- sampling -------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
-                         out: dict | None = None, rng=None) -> dict:
+                         out: dict | None = None, rng=None, tail: int = 0) -> dict:
         """Draw ``batch_size`` windows of ``length`` consecutive steps.
 
         Start steps are uniform over every valid start: a window lies in one
@@ -146,6 +146,10 @@ class Buffer(Mapped):
                 (pinned ones included) of exactly that shape and dtype.
             rng: a ``np.random.Generator`` or an int seed; default the
                 buffer's own generator (``seed=`` of create/attach).
+            tail: the last ``tail`` rows only have to follow the window in its
+                stream: they may lie past a terminal step of the first
+                ``length - tail`` rows (next-frame targets; mask them with
+                ``done``).  Default 0.
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
@@ -161,10 +165,14 @@ class Buffer(Mapped):
         self._check_open()
         batch_size = _count("batch_size", batch_size, 1 << 24)
         length = _count("length", length, self._layout.capacity)
+        if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
+                0 <= tail < length):
+            raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
+                             f"got {tail!r}")
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         targets = _prepare_out(out, self.spec, lead)
-        windows = self._finder.draw(gen, batch_size, length)
+        windows = self._finder.draw(gen, batch_size, length, tail)
         pending = np.arange(batch_size)
         for _ in range(_MAX_REDRAWS):
             self._gather(windows.rows, pending, targets, time_major, batch_size)
@@ -173,7 +181,7 @@ class Buffer(Mapped):
                 self._ring.bump("samples")
                 return {k: t.result for k, t in targets.items()}
             pending = pending[stale]
-            windows = self._finder.draw(gen, len(pending), length)
+            windows = self._finder.draw(gen, len(pending), length, tail)
         raise SampleRetryError(
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
             f"(capacity {self.capacity}) is too small for its ingest rate")

@@ -51,7 +51,8 @@ class Stream:
 
 
 def valid_starts(steps: list, frames: int, live=None) -> set:
-    """Reference model: (writer, pos) of every start of ``frames`` steps in one episode."""
+    """Reference model: (writer, pos) of every start of ``frames - 1`` steps of one
+    episode (the last may be terminal) followed by one more step of the stream."""
     by_writer = {}
     for s in steps:
         if live is None or (s[0], s[1]) in live:
@@ -60,9 +61,9 @@ def valid_starts(steps: list, frames: int, live=None) -> set:
     for run in by_writer.values():
         for i in range(len(run) - frames + 1):
             window = run[i:i + frames]
-            same = all(w[2] == window[0][2] and w[1] == window[0][1] + j
-                       for j, w in enumerate(window))
-            if same and not any(w[3] for w in window[:-1]):
+            contiguous = all(w[1] == window[0][1] + j for j, w in enumerate(window))
+            same = all(w[2] == window[0][2] for w in window[:-1])
+            if contiguous and same and not any(w[3] for w in window[:-2]):
                 out.add((window[0][0], window[0][1]))
     return out
 
@@ -76,12 +77,17 @@ def check_sequences(batch, steps: list) -> list:
     starts = []
     for b in range(n):
         verify_window(obs[b, :length], act[b], rew[b], term[b])
-        assert not term[b].any(), "a terminal step has a successor frame in the window"
+        assert not term[b, :-1].any(), "a window continues past a terminal step"
         writer, episode, last = (int(act[b, -1, i]) for i in (0, 1, 3))
-        assert ledger[(writer, last)] == (episode, False)
+        ended = bool(term[b, -1])
+        assert ledger[(writer, last)] == (episode, ended)
         nxt = ledger.get((writer, last + 1))
-        assert nxt is not None and nxt[0] == episode, "the extra frame is from another episode"
-        assert (obs[b, length] == obs_for(writer, last + 1)).all(), "wrong extra frame"
+        assert nxt is not None, "the step after the window was never added"
+        if ended:   # the frame after a terminal step was never stored: it repeats
+            assert (obs[b, length] == obs[b, length - 1]).all(), "terminal frame not repeated"
+        else:
+            assert nxt[0] == episode, "the extra frame is from another episode"
+            assert (obs[b, length] == obs_for(writer, last + 1)).all(), "wrong extra frame"
         starts.append((writer, int(act[b, 0, 3])))
     return starts
 
@@ -175,11 +181,13 @@ def test_sequences_carry_the_right_extra_frame_and_cover_every_valid_window():
     with IRISReplayBuffer(1000, OBS, 6, seq_len=4, batch_size=150, seed=1) as rb:
         steps = Stream(1).episodes(rb, [3, 9, 1, 12, 5, 7, 2], tail=6).steps
         seen = set()
-        for _ in range(2):
+        for _ in range(6):
             seen.update(check_sequences(rb.sample_sequence(), steps))
         assert seen == valid_starts(steps, 5)
         # the terminal step's frame is the extra frame of windows ending there
         assert {(1, 7), (1, 20), (1, 25), (1, 32)} <= seen
+        # and windows whose last action is terminal are sampled (term == 1)
+        assert {(1, 8), (1, 21), (1, 26), (1, 33)} <= seen
         seen = set()
         for _ in range(2):
             seen.update(check_sequences(rb.sample_sequence(seq_len=1), steps))
@@ -210,7 +218,7 @@ def test_too_little_data_raises():
             rb.sample_sequence()
         assert rb.sample_sequence(seq_len=3)[0].shape == (8, 4) + OBS
     with IRISReplayBuffer(100, OBS, 6, seq_len=4, batch_size=8) as rb:
-        Stream(1).episodes(rb, [4] * 10 + [2] * 10, tail=4)   # no episode of 5 steps
+        Stream(1).episodes(rb, [3] * 10 + [2] * 10, tail=3)   # no episode of 4 actions
         with pytest.raises(ValueError):   # NotEnoughDataError is a ValueError too
             rb.sample_sequence()
         for bad in (0, 100, 2.0):

@@ -598,3 +598,23 @@ def test_writer_recycling_chunks_at_any_point_of_a_sample(make_buffer):
     # 4 chunks of 2 rows, all full: the writer recycles the oldest two meanwhile.
     points = _explore(make_buffer, 8, 2, before=7, during=4, batch_size=64, length=3)
     assert points > 5
+
+
+def test_tail_rows_follow_the_window_past_a_terminal(make_buffer):
+    buf = make_buffer(capacity=200, chunk_size=4, seed=3)
+    with buf.writer() as w:
+        for pos in range(12):   # episodes of 3 steps: positions 2, 5, 8, 11 are terminal
+            w.add(**step_for(7, pos, pos // 3, pos % 3, pos % 3 == 2))
+    seen = set()
+    for _ in range(20):
+        batch = buf.sample_sequences(32, 4, time_major=False, tail=1)
+        pos, done = batch["action"][:, :, 3], batch["done"]
+        assert (np.diff(pos, axis=1) == 1).all()         # one stream, contiguous
+        assert not done[:, :2].any()                      # the first 3 rows: one episode
+        seen.update(pos[:, 0].astype(int).tolist())
+    assert seen == {0, 3, 6}   # 3 steps of an episode + the next episode's first row
+    with pytest.raises(shmbuf.NotEnoughDataError):
+        buf.sample_sequences(4, 4)                        # without tail nothing fits
+    for bad in (-1, 4, True, 1.0):
+        with pytest.raises(ValueError, match="tail"):
+            buf.sample_sequences(4, 4, tail=bad)

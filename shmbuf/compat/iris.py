@@ -6,22 +6,16 @@ Which windows ``sample_sequence`` returns
 A step is what one ``add(obs, action, reward, done)`` stored: the frame seen,
 the action taken on it, and the reward and terminal flag that action earned.
 A sequence of ``L`` actions needs ``L + 1`` frames, the last being the frame
-the final action led to.  So a sampled window is ``L + 1`` consecutive steps
-of one writer's stream and one episode; ``obs`` holds all ``L + 1`` frames and
-``act``/``rew``/``term`` hold the first ``L`` steps' values.  The core's rule
-(a window never continues past a terminal step) then means a terminal step
-can only be the window's last, frame-only step: every returned frame really
-follows its predecessor, never a reset frame of the next episode.  Two
-consequences, documented rather than hidden:
-
-- ``term`` from ``sample_sequence`` is always 0, and a terminal step's reward
-  never appears in ``rew`` (its successor frame does not exist).  To train
-  reward or termination heads on episode ends, use ``sample_single()`` or the
-  core's ``rb.buffer.sample_sequences(batch, L, time_major=False)``, whose
-  ``L``-step windows may end on the terminal step;
-- the newest step appears as the last frame of a window at once, and its
-  action and reward as soon as its successor is added; ``sample_single()``
-  draws it immediately.
+the final action led to.  So a sampled window is ``L`` consecutive steps of
+one writer's stream and one episode (it may end on the terminal step), plus
+the frame of the step that follows it in the stream (the core's ``tail=1``).
+``obs`` holds the ``L + 1`` frames and ``act``/``rew``/``term`` the ``L``
+steps' values.  When the last step is terminal, the frame that follows it was
+never stored (the next stored frame is the next episode's reset frame), so
+``obs[:, L]`` repeats the terminal step's frame and ``term[:, L - 1]`` is 1:
+mask the last frame with ``term``.  The newest step's action and reward are
+sampled as soon as its successor frame is added; ``sample_single()`` draws
+it at once.
 
 Deliberate differences from upstream (torchwm 0.4.2
 ``world_models/memory/iris_memory.py``), all bug fixes: the terminal check
@@ -102,9 +96,11 @@ class IRISReplayBuffer(TransitionFacade):
     def sample_sequence(self, seq_len: int | None = None):
         """Draw ``batch_size`` windows of ``seq_len`` actions and ``seq_len + 1`` frames.
 
-        Starts are uniform over every valid window: ``seq_len + 1`` consecutive
-        steps of one writer's stream and one episode (see the module doc);
-        ``obs[:, t + 1]`` is always the frame that ``act[:, t]`` led to.
+        Starts are uniform over every valid window: ``seq_len`` consecutive
+        steps of one writer's stream and one episode, which may end on the
+        terminal step, and the frame that follows (see the module doc);
+        ``obs[:, t + 1]`` is the frame that ``act[:, t]`` led to, except after
+        a terminal step, where it repeats the terminal frame.
 
         Args:
             seq_len: actions per window, ``1 <= seq_len <= size - 1``;
@@ -115,7 +111,7 @@ class IRISReplayBuffer(TransitionFacade):
             ``(batch_size, seq_len + 1, C, H, W)`` uint8,
             ``(batch_size, seq_len, action_size)`` float32,
             ``(batch_size, seq_len)`` float32 and ``(batch_size, seq_len)``
-            float32 (always 0: a terminal step can only hold the last frame).
+            float32 (1.0 only at the last step, when it ended the episode).
 
         Raises:
             NotEnoughDataError: no episode holds ``seq_len + 1`` steps yet.
@@ -131,13 +127,16 @@ class IRISReplayBuffer(TransitionFacade):
                               self.size, 1)
         batch_size = check_int("batch_size", self.batch_size, 1)
         try:
-            batch = self.buffer.sample_sequences(batch_size, length + 1, time_major=False)
+            batch = self.buffer.sample_sequences(batch_size, length + 1, time_major=False,
+                                                 tail=1)
         except NotEnoughDataError as exc:
             raise NotEnoughDataError(
                 f"sample_sequence(seq_len={length}) needs {length + 1} consecutive steps of "
                 f"one episode ({length} actions and the frame after them): {exc}") from None
         first = slice(0, length)
-        return (batch["obs"], np.ascontiguousarray(batch["action"][:, first]),
+        obs, ended = batch["obs"], batch["done"][:, length - 1]
+        obs[ended, length] = obs[ended, length - 1]  # the frame after a terminal was never stored
+        return (obs, np.ascontiguousarray(batch["action"][:, first]),
                 np.ascontiguousarray(batch["reward"][:, first]),
                 batch["done"][:, first].astype(np.float32))
 
