@@ -21,9 +21,11 @@ import numpy as np
 
 from . import _atomic as atomic
 from ._errors import NotEnoughDataError, SampleRetryError
+from ._layout import CHUNK_ENTRY, CHUNK_FIELDS
 
 _ROUNDS = 4
 _MAX_ELEMENTS = 1 << 22  # candidates x length per locate() call
+_REST = np.array([CHUNK_FIELDS[f] for f in ("count", "next", "next_seq")], np.int64)
 
 
 @dataclasses.dataclass
@@ -49,13 +51,12 @@ class WindowFinder:
 
     def _snapshot(self, chunks: np.ndarray):
         """(seq, count, next, next_seq) of ``chunks``, seq read before the rest."""
+        entry = self.ring.state_off[0] + chunks * CHUNK_ENTRY
         state = np.empty(len(chunks), np.uint64)
-        atomic.load_many(self.mm, self.ring.state_off[chunks], state)
-        rest = np.empty((3, len(chunks)), np.uint64)
-        atomic.load_many(self.mm, self.ring.count_off[chunks], rest[0])
-        atomic.load_many(self.mm, self.ring.next_off[chunks], rest[1])
-        atomic.load_many(self.mm, self.ring.next_seq_off[chunks], rest[2])
-        return (state >> np.uint64(32)).astype(np.int64), rest.astype(np.int64)
+        atomic.load_many(self.mm, entry, state)  # ends with an acquire fence
+        rest = np.empty((len(chunks), 3), np.uint64)
+        atomic.load_many(self.mm, entry[:, None] + _REST, rest)
+        return (state >> np.uint64(32)).astype(np.int64), rest.T.astype(np.int64)
 
     def locate(self, starts: np.ndarray, length: int, tail: int = 0):
         """Validity mask and Windows for candidate start rows (any order).
@@ -159,6 +160,8 @@ class WindowFinder:
 
 def _concat(parts: list[Windows]) -> Windows:
     parts = [p for p in parts if len(p.rows)]
+    if len(parts) == 1:
+        return parts[0]
     hops = max(p.chunks.shape[1] for p in parts)
 
     def pad(a, fill):

@@ -90,6 +90,7 @@ class Writer:
         if old >= 0:
             self._ring.link(old, chunk, seq)
             self._ring.seal(old, int(s.seq[i]), self._slot, self._lease)
+        self._buf._populate(chunk)
         s.chunk[i], s.seq[i], s.fill[i] = chunk, seq, 0
         s.base[i] = chunk * self._k
         s.rows[i] = self._ring.chunk_rows[chunk]
@@ -107,7 +108,8 @@ class Writer:
         out = []
         for name, _, dtype, shape in self._cols:
             v = columns[name]
-            if type(v) is np.ndarray and v.dtype == dtype and v.shape == lead + shape:
+            if ((type(v) is np.ndarray or isinstance(v, np.generic)) and v.dtype == dtype
+                    and v.shape == lead + shape):
                 out.append(v)
             elif not lead and not shape and scalar_fast_path(v, dtype):
                 out.append(v)
