@@ -22,9 +22,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   128  ticket        Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
   192  next_stream   Q    atomic: stream ids handed out so far
   256  evicted       Q    atomic: committed steps dropped by recycling
-  320  retired       Q    atomic: steps counted by writer slots that were freed since
   384  samples       Q    atomic: sample calls served
-  448  retired_eps   Q    atomic: episodes counted by writer slots that were freed since
   512  serial        Q    atomic: serial numbers handed out by Buffer.next_serial()
  1024  meta          JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
  2048  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
@@ -78,15 +76,16 @@ HEADER_FIELDS = {
     "meta_bytes": (96, "<Q"),
     "chunks_at": (104, "<Q"),
 }
-COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "retired": 320, "samples": 384,
-            "retired_eps": 448, "serial": 512}
+COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512}
 META = 1024
 MAX_META = 1024
 COLUMN_TABLE = 2048
 COLUMN_ENTRY = 256
 COLUMN_STRUCT = struct.Struct("<64s32sQ8QQQ")
 
-# Writer slot entry: state = lease << 32 | pid (pid 0: free).
+# Writer slot entry: state = lease << 32 | pid (pid 0: free).  steps and
+# episodes are cumulative over every writer that ever held the slot: a new
+# holder continues from the value it finds, so nothing is ever moved.
 SLOT_ENTRY = 64
 SLOT_FIELDS = {"state": 0, "start_time": 8, "steps": 16, "streams": 24, "episodes": 32}
 

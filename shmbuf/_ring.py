@@ -51,10 +51,10 @@ class Ring:
         return int(self.count.sum())
 
     def steps_written(self) -> int:
-        return self.counter("retired") + int(self.slot_table[:, 2].sum())
+        return int(self.slot_table[:, 2].sum())
 
     def episodes_ended(self) -> int:
-        return self.counter("retired_eps") + int(self.slot_table[:, 4].sum())
+        return int(self.slot_table[:, 4].sum())
 
     # -- writer slots ---------------------------------------------------
     def claim_slot(self) -> tuple[int, int]:
@@ -69,8 +69,6 @@ class Ring:
                     continue
                 lease = ((state >> 32) + 1) & _U32
                 if atomic.compare_exchange(self.mm, off, state, (lease << 32) | pid):
-                    if holder:
-                        self._retire_steps(slot)
                     atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"),
                                          (start << 16) | (lease & 0xFFFF))
                     return slot, lease
@@ -78,19 +76,11 @@ class Ring:
             f"all {self.layout.max_writers} writer slots are held by live processes; "
             "close unused writers or create the buffer with a larger max_writers")
 
-    def _retire_steps(self, slot: int) -> None:
-        for field, counter in (("steps", "retired"), ("episodes", "retired_eps")):
-            off = self.layout.slot_field(slot, field)
-            value = atomic.load_acquire(self.mm, off)
-            atomic.store_release(self.mm, off, 0)
-            self.bump(counter, value)
-
     def release_slot(self, slot: int, lease: int) -> None:
         off = self.layout.slot_field(slot, "state")
         state = atomic.load_acquire(self.mm, off)
         if state >> 32 != lease or not state & _U32:
             return  # taken over already: someone judged us dead
-        self._retire_steps(slot)
         atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"), 0)
         atomic.compare_exchange(self.mm, off, state, lease << 32)
 

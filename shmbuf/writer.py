@@ -62,7 +62,9 @@ class Writer:
         self._slot, self._lease = self._ring.claim_slot()
         self._steps_off = self._ring.layout.slot_field(self._slot, "steps")
         self._episodes_off = self._ring.layout.slot_field(self._slot, "episodes")
-        self._episodes = 0
+        # The slot's counters are cumulative over its holders: continue them.
+        self._slot_steps = atomic.load_acquire(self._mm, self._steps_off)
+        self._slot_episodes = atomic.load_acquire(self._mm, self._episodes_off)
         self._streams_off = self._ring.layout.slot_field(self._slot, "streams")
         self._steps = 0
         self._solo = None
@@ -149,13 +151,13 @@ class Writer:
             view[row] = v
         self._ep_col[row] = s.ep[0]
         s.fill[0] = fill + 1
+        # Counted before it is published: a writer killed in between leaves
+        # steps_written one ahead, never behind what readers can see.
+        self._count_steps(1)
         atomic.store_release(self._mm, int(s.count_off[0]), fill + 1)
         if self._done is not None and values[self._done_index]:
             s.ep[0] += 1
-            self._episodes += 1
-            atomic.store_release(self._mm, self._episodes_off, self._episodes)
-        self._steps += 1
-        atomic.store_release(self._mm, self._steps_off, self._steps)
+            self._count_episodes(1)
 
     def add_batch(self, **columns) -> None:
         """Append one step to each of ``n_envs`` streams, from a vectorised env.
@@ -194,14 +196,22 @@ class Writer:
             view[rows] = v
         self._ep_col[rows] = s.ep
         s.fill += 1
+        self._count_steps(n)
         atomic.store_many(self._mm, s.count_off, s.fill)
         if self._done is not None:
             ended = np.asarray(values[self._done_index]).astype(bool)
             s.ep += ended
-            self._episodes += int(ended.sum())
-            atomic.store_release(self._mm, self._episodes_off, self._episodes)
+            self._count_episodes(int(ended.sum()))
+
+    def _count_steps(self, n: int) -> None:
         self._steps += n
-        atomic.store_release(self._mm, self._steps_off, self._steps)
+        self._slot_steps += n
+        atomic.store_release(self._mm, self._steps_off, self._slot_steps)
+
+    def _count_episodes(self, n: int) -> None:
+        if n:
+            self._slot_episodes += n
+            atomic.store_release(self._mm, self._episodes_off, self._slot_episodes)
 
     def end_episode(self, env: int | None = None) -> None:
         """Cut the stream (or env stream ``env``) without a terminal step.
