@@ -70,6 +70,8 @@ def scalar_fast_path(value, dtype: np.dtype) -> bool:
     if t is bool:
         return kind in "biuf"
     if t is float:
+        if kind == "b":
+            return value == 0.0 or value == 1.0  # done flags passed as floats
         if kind != "f":
             return False
         return abs(value) <= float(np.finfo(dtype).max) or value != value or abs(value) == float("inf")
