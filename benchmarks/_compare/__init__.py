@@ -1,0 +1,1 @@
+"""The parts of benchmarks/compare.py: adapters, writer processes, latency, report, chart."""
