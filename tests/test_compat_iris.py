@@ -15,41 +15,13 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer, OnPolicyBufferFullError
+from transition_helpers import JOIN_S, Stream, add_step, expect, writer_proc
 from workers import obs_for, step_for, verify_window
 
-JOIN_S = 60.0
 OBS = (3, 8, 8)
 
 
 # -- helpers ---------------------------------------------------------------------------
-def add_step(rb, step: dict) -> None:
-    rb.add(step["obs"], step["action"], step["reward"], step["done"])
-
-
-class Stream:
-    """One writer's encoded steps, continued across calls: (writer, pos, episode, done)."""
-
-    def __init__(self, writer: int):
-        self.writer, self.pos, self.episode, self.t = writer, 0, 0, 0
-        self.steps = []
-
-    def add(self, rb, n: int, end: bool = False) -> "Stream":
-        """Add ``n`` steps; the last one ends the episode if ``end``."""
-        for i in range(n):
-            done = end and i == n - 1
-            add_step(rb, step_for(self.writer, self.pos, self.episode, self.t, done))
-            self.steps.append((self.writer, self.pos, self.episode, done))
-            self.pos += 1
-            self.episode, self.t = (self.episode + 1, 0) if done else (self.episode, self.t + 1)
-        return self
-
-    def episodes(self, rb, lengths, tail: int = 0) -> "Stream":
-        """Add whole episodes of ``lengths`` steps, then ``tail`` steps of an open one."""
-        for n in lengths:
-            self.add(rb, n, end=True)
-        return self.add(rb, tail)
-
-
 def valid_starts(steps: list, frames: int, live=None) -> set:
     """Reference model: (writer, pos) of every start of ``frames - 1`` steps of one
     episode (the last may be terminal) followed by one more step of the stream."""
@@ -441,33 +413,6 @@ def test_checkpoint_round_trip_through_torch_save(tmp_path):
 
 
 # -- several processes -------------------------------------------------------------------------
-def _writer_proc(rb, writer: int, n_steps: int, episode_len: int, tail: int, conn):
-    """Child: add encoded steps, saying "ready" after 100 of them and "paused" before the
-    last ``tail``, which wait for the trainer's "go"."""
-    try:
-        for pos in range(n_steps):
-            if pos == 100:
-                conn.send("ready")
-            if pos == n_steps - tail:
-                conn.send("paused")
-                if not conn.poll(JOIN_S):
-                    raise TimeoutError("the trainer never said go")
-                conn.recv()
-            episode, t = divmod(pos, episode_len)
-            add_step(rb, step_for(writer, pos, episode, t, t == episode_len - 1))
-    finally:
-        rb.close()
-        conn.close()
-
-
-def _expect(conn, word: str) -> None:
-    """The child's next message is ``word`` (within JOIN_S); pipes, not named semaphores,
-    so nothing appears in /dev/shm."""
-    assert conn.poll(JOIN_S), f"a writer never said {word!r}"
-    got = conn.recv()
-    assert got == word, got
-
-
 def _all_steps(lengths: dict, n_steps: int) -> list:
     return [(w, p, p // n, p % n == n - 1) for w, n in lengths.items() for p in range(n_steps)]
 
@@ -488,22 +433,22 @@ def test_spawned_writers_and_a_sampling_trainer():
             for writer, n in lengths.items():
                 mine, theirs = ctx.Pipe()
                 conns.append(mine)
-                procs.append(ctx.Process(target=_writer_proc,
+                procs.append(ctx.Process(target=writer_proc,
                                          args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
                 procs[-1].start()
                 theirs.close()
             for conn in conns:
-                _expect(conn, "ready")
+                expect(conn, "ready")
             waiting, batches = list(conns), 0
             while waiting and batches < 80:   # sample while they write
                 check_sequences(rb.sample_sequence(), steps)
                 check_single(rb.sample_single(), steps)
                 batches += 1
                 for conn in [c for c in waiting if c.poll(0)]:
-                    _expect(conn, "paused")
+                    expect(conn, "paused")
                     waiting.remove(conn)
             for conn in waiting:
-                _expect(conn, "paused")
+                expect(conn, "paused")
             for conn in conns:
                 conn.send("go")
             while any(p.is_alive() for p in procs) and batches < 160:

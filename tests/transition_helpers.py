@@ -1,0 +1,67 @@
+"""What the Dreamer and IRIS facade tests share: encoded streams and a spawned writer.
+
+Kept out of test files so that spawned children can import it.
+"""
+from shmbuf.compat.dreamer import ReplayBuffer
+from workers import step_for
+
+JOIN_S = 60.0
+
+
+def add_step(rb, step: dict) -> None:
+    """Add one encoded step through the facade's own ``add`` signature."""
+    if isinstance(rb, ReplayBuffer):   # Dreamer takes {"image": frame} and a float done
+        rb.add({"image": step["obs"]}, step["action"], step["reward"], float(step["done"]))
+    else:
+        rb.add(step["obs"], step["action"], step["reward"], step["done"])
+
+
+class Stream:
+    """One writer's encoded steps, continued across calls: (writer, pos, episode, done)."""
+
+    def __init__(self, writer: int):
+        self.writer, self.pos, self.episode, self.t = writer, 0, 0, 0
+        self.steps = []
+
+    def add(self, rb, n: int, end: bool = False) -> "Stream":
+        """Add ``n`` steps; the last one ends the episode if ``end``."""
+        for i in range(n):
+            done = end and i == n - 1
+            add_step(rb, step_for(self.writer, self.pos, self.episode, self.t, done))
+            self.steps.append((self.writer, self.pos, self.episode, done))
+            self.pos += 1
+            self.episode, self.t = (self.episode + 1, 0) if done else (self.episode, self.t + 1)
+        return self
+
+    def episodes(self, rb, lengths, tail: int = 0) -> "Stream":
+        """Add whole episodes of ``lengths`` steps, then ``tail`` steps of an open one."""
+        for n in lengths:
+            self.add(rb, n, end=True)
+        return self.add(rb, tail)
+
+
+def writer_proc(rb, writer: int, n_steps: int, episode_len: int, tail: int, conn):
+    """Child: add encoded steps, saying "ready" after 100 of them and "paused" before the
+    last ``tail``, which wait for the trainer's "go"."""
+    try:
+        for pos in range(n_steps):
+            if pos == 100:
+                conn.send("ready")
+            if pos == n_steps - tail:
+                conn.send("paused")
+                if not conn.poll(JOIN_S):
+                    raise TimeoutError("the trainer never said go")
+                conn.recv()
+            episode, t = divmod(pos, episode_len)
+            add_step(rb, step_for(writer, pos, episode, t, t == episode_len - 1))
+    finally:
+        rb.close()
+        conn.close()
+
+
+def expect(conn, word: str) -> None:
+    """The child's next message is ``word`` (within JOIN_S); pipes, not named semaphores,
+    so nothing appears in /dev/shm."""
+    assert conn.poll(JOIN_S), f"a writer never said {word!r}"
+    got = conn.recv()
+    assert got == word, got
