@@ -347,7 +347,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         max_writers: writer objects that may be open at once.
         done_key: the scalar column whose true value ends an episode, or None.
         seed: seed of the buffer's own random generator.
-        prefault: map every page now, so that ingest never page-faults.
+        prefault: map every page into this process now (writers in other
+            processes populate each chunk's pages when they claim it).
         meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
 
     Returns:
