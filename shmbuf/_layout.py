@@ -43,6 +43,7 @@ import struct
 
 import numpy as np
 
+from ._args import check_int
 from ._errors import CorruptSegmentError, LayoutVersionError
 
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
@@ -155,15 +156,6 @@ def _align(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _positive_int(arg: str, value, upper: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    if value <= 0 or (upper is not None and value > upper):
-        limit = f" and at most {upper}" if upper is not None else ""
-        raise ValueError(f"{arg} must be positive{limit}, got {value}")
-    return int(value)
-
-
 def validate_column_name(name) -> str:
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
         raise ValueError(f"spec: column name {name!r} must be a Python identifier")
@@ -195,7 +187,7 @@ def validate_shape(name: str, shape) -> tuple[int, ...]:
         raise TypeError(f"spec[{name!r}]: shape {shape!r} must be a tuple of ints") from exc
     if len(dims) > MAX_NDIM:
         raise ValueError(f"spec[{name!r}]: shape {dims} has more than {MAX_NDIM} dims")
-    return tuple(_positive_int(f"spec[{name!r}] shape", d) for d in dims)
+    return tuple(check_int(f"spec[{name!r}] shape", d) for d in dims)
 
 
 def normalize_spec(spec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
@@ -222,11 +214,11 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
          done_key="done") -> Layout:
     """Lay out a segment for ``spec``; raises on any bad argument."""
     columns_in = normalize_spec(spec)
-    capacity = _positive_int("capacity", capacity, 1 << 40)
+    capacity = check_int("capacity", capacity, 1, 1 << 40)
     if chunk_size is None:
         chunk_size = default_chunk_size(capacity)
-    chunk_size = _positive_int("chunk_size", chunk_size, capacity)
-    max_writers = _positive_int("max_writers", max_writers, NO_SLOT - 1)
+    chunk_size = check_int("chunk_size", chunk_size, 1, capacity)
+    max_writers = check_int("max_writers", max_writers, 1, NO_SLOT - 1)
     if done_key == "done" and "done" not in columns_in:
         done_key = None  # the default names an optional column
     if done_key is not None:

@@ -47,6 +47,7 @@ import numpy as np
 
 from . import _atomic as atomic
 from ._errors import CorruptSegmentError, SampleRetryError
+from ._args import check_int
 from ._cast import coerce
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COLUMN_TABLE, KIND_KEYED, MAGIC, Layout,
                       decode_header, encode_header, encode_meta, plan)
@@ -56,14 +57,6 @@ from ._segment import Mapped, Segment, column_views, generate_name, validate_nam
 DEFAULT_SPARE = 4
 MAX_ATTEMPTS = 100
 _NOT_STALE = np.iinfo(np.int64).max
-
-
-def _positive(arg: str, value, upper: int = 1 << 40) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    if not 1 <= value <= upper:
-        raise ValueError(f"{arg} must be between 1 and {upper}, got {value}")
-    return int(value)
 
 
 class KeyedRings(Mapped):
@@ -341,9 +334,9 @@ def create(spec: dict, n_keys: int, max_len: int, *, spare: int = DEFAULT_SPARE,
     Example:
         >>> rings = create({"x": ((4,), np.float32)}, n_keys=16, max_len=100)
     """
-    n_keys = _positive("n_keys", n_keys)
-    max_len = _positive("max_len", max_len)
-    spare = _positive("spare", spare)
+    n_keys = check_int("n_keys", n_keys)
+    max_len = check_int("max_len", max_len)
+    spare = check_int("spare", spare)
     ring_len = max_len + spare
     layout = plan(spec, n_keys * ring_len, chunk_size=ring_len, max_writers=1, done_key=None)
     raw_meta = encode_meta({"max_len": max_len, "user": meta if meta is not None else {}})

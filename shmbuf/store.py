@@ -10,6 +10,7 @@ import numpy as np
 
 from . import _atomic as atomic
 from . import _checkpoint
+from ._args import check_int
 from ._errors import CorruptSegmentError, SampleRetryError, WaitTimeoutError
 from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, PAGE, Layout, decode_header,
                       encode_header, encode_meta, pack_chunk_state, plan)
@@ -183,8 +184,8 @@ class Buffer(Mapped):
             >>> batch["obs"].shape   # (50, 50, 3, 64, 64)
         """
         self._check_open()
-        batch_size = _count("batch_size", batch_size, 1 << 24)
-        length = _count("length", length, self._layout.capacity)
+        batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
+        length = check_int("length", length, 1, self._layout.capacity)
         if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
                 0 <= tail < length):
             raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
@@ -251,7 +252,7 @@ class Buffer(Mapped):
             >>> buf.wait_ready(min_steps=5_000, timeout=60)
         """
         self._check_open()
-        min_steps = _count("min_steps", min_steps, self._layout.capacity)
+        min_steps = check_int("min_steps", min_steps, 1, self._layout.capacity)
         if timeout is not None and (isinstance(timeout, bool)
                                     or not isinstance(timeout, (int, float, np.number))):
             raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
@@ -324,14 +325,6 @@ class Buffer(Mapped):
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"
         return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
-
-
-def _count(arg: str, value, upper: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    if not 1 <= value <= upper:
-        raise ValueError(f"{arg} must be between 1 and {upper}, got {value}")
-    return int(value)
 
 
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._args import check_int
 from .._errors import BufferClosedError
 from ._base import Facade
 
@@ -21,16 +22,6 @@ def transition_spec(obs_shape: tuple, action_size: int) -> dict:
     """
     return {"obs": (tuple(obs_shape), np.uint8), "action": ((action_size,), np.float32),
             "reward": ((), np.float32), "done": ((), np.bool_)}
-
-
-def check_int(arg: str, value, lo: int, hi: int | None = None) -> int:
-    """``value`` as an int in ``[lo, hi]``, or a TypeError/ValueError naming ``arg``."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    if value < lo or (hi is not None and value > hi):
-        bound = f"between {lo} and {hi}" if hi is not None else f"at least {lo}"
-        raise ValueError(f"{arg} must be {bound}, got {value}")
-    return int(value)
 
 
 def check_shape(arg: str, shape) -> list:

@@ -41,7 +41,8 @@ from __future__ import annotations
 import numpy as np
 
 from ._base import Facade, register
-from ._transitions import check_int, check_shape
+from .._args import check_int
+from ._transitions import check_shape
 
 _ACTION_KINDS = "iuf"
 

@@ -23,7 +23,8 @@ import numpy as np
 
 from .._errors import NotEnoughDataError
 from ._base import register
-from ._transitions import TransitionFacade, check_int, check_window, transition_params, \
+from .._args import check_int
+from ._transitions import TransitionFacade, check_window, transition_params, \
     transition_spec
 
 

@@ -15,6 +15,7 @@ import os
 import numpy as np
 
 from .. import keyed
+from .._args import check_int
 from .._strided import AgeTables, contiguous_window
 from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
                        SegmentExistsError)
@@ -22,19 +23,6 @@ from .._errors import SegmentNotFoundError
 from .._segment import SHM_DIR, generate_name, validate_name
 from . import _infos
 from ._base import to_numpy
-
-def _int(arg: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    return int(value)
-
-
-def _positive(arg: str, value) -> int:
-    value = _int(arg, value)
-    if value <= 0:
-        raise ValueError(f"{arg} must be positive, got {value}")
-    return value
-
 
 def _block_keys(block_keys) -> frozenset:
     if isinstance(block_keys, (str, bytes)):
@@ -115,8 +103,8 @@ class HistoryBuffer:
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
                  spec=None, seed=None, name: str | None = None):
-        self._set_params(_positive("n_envs", n_envs), _positive("max_len", max_len),
-                         _positive("action_block", action_block), _block_keys(block_keys))
+        self._set_params(check_int("n_envs", n_envs), check_int("max_len", max_len),
+                         check_int("action_block", action_block), _block_keys(block_keys))
         schema = _infos.schema_from_spec(spec) if spec is not None else None
         self._name = generate_name() if name is None else validate_name(name)
         if os.path.exists(os.path.join(SHM_DIR, self._name)):
@@ -271,7 +259,7 @@ class HistoryBuffer:
             >>> out = buf.get(3, env_ids=[1, 0])
         """
         self._check_open()
-        n = _int("n", n)
+        n = check_int("n", n, None)
         if n <= 0:
             return None
         envs = self._env_ids(env_ids, "get")
@@ -337,7 +325,7 @@ class HistoryBuffer:
             >>> frames = view['pixels'] if view is not None else buf.get(3, [0])['pixels'][0]
         """
         self._check_open()
-        n, env = _int("n", n), _int("env_id", env_id)
+        n, env = check_int("n", n, None), check_int("env_id", env_id, None)
         if not -self.n_envs <= env < self.n_envs:
             raise IndexError(f"get_view: env id {env} is out of range for n_envs={self.n_envs}")
         rings = self._ensure()

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from .._args import check_int
 from .._cast import coerce
 from .._checkpoint import FORMAT
 from .._errors import (BufferClosedError, NotEnoughDataError, SampleRetryError,
@@ -190,13 +191,13 @@ class Memory(Facade):
     def __init__(self, size, *, steps_per_episode=DEFAULT_STEPS_PER_EPISODE, obs_shape=None,
                  action_size=None, obs_dtype=np.float32, action_dtype=np.float32,
                  max_sample_bytes=DEFAULT_MAX_SAMPLE_BYTES, name=None, seed=None):
-        params = {"size": _count("Memory(size=...)", size),
-                  "steps_per_episode": _count("Memory(steps_per_episode=...)", steps_per_episode),
-                  "max_sample_bytes": _count("Memory(max_sample_bytes=...)", max_sample_bytes)}
+        params = {"size": check_int("Memory(size=...)", size),
+                  "steps_per_episode": check_int("Memory(steps_per_episode=...)", steps_per_episode),
+                  "max_sample_bytes": check_int("Memory(max_sample_bytes=...)", max_sample_bytes)}
         if obs_shape is not None:
             obs_shape = _shape("Memory(obs_shape=...)", obs_shape)
         if action_size is not None:
-            action_size = _count("Memory(action_size=...)", action_size)
+            action_size = check_int("Memory(action_size=...)", action_size)
         self._schema = {"obs_shape": obs_shape, "action_size": action_size,
                         "obs_dtype": _dtype("obs_dtype", obs_dtype),
                         "action_dtype": _dtype("action_dtype", action_dtype)}
@@ -265,7 +266,7 @@ class Memory(Facade):
 
     @max_sample_bytes.setter
     def max_sample_bytes(self, value) -> None:
-        self._params["max_sample_bytes"] = _count("max_sample_bytes", value)
+        self._params["max_sample_bytes"] = check_int("max_sample_bytes", value)
 
     @property
     def size(self) -> int:
@@ -389,8 +390,8 @@ class Memory(Facade):
             >>> x.shape   # (51, 16, 3, 64, 64)
         """
         self._check_open()
-        batch_size = _count("Memory.sample(batch_size=...)", batch_size)
-        tracelen = _count("Memory.sample(tracelen=...)", tracelen)
+        batch_size = check_int("Memory.sample(batch_size=...)", batch_size)
+        tracelen = check_int("Memory.sample(tracelen=...)", tracelen)
         if self.buffer is None:
             raise NotEnoughDataError("Memory is empty; cannot sample.")
         spec = self.buffer.spec
@@ -562,14 +563,6 @@ class Memory(Facade):
 
 # -- argument checks ----------------------------------------------------------------
 
-def _count(arg: str, value, lo: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg} must be an int, got {value!r} ({type(value).__name__})")
-    if value < lo:
-        raise ValueError(f"{arg} must be at least {lo}, got {value}")
-    return int(value)
-
-
 def _numbers(label: str, value) -> np.ndarray:
     """A private numpy copy of a numpy array, torch tensor or array-like of numbers."""
     try:
@@ -603,7 +596,7 @@ def _shape(arg: str, shape) -> tuple:
     except TypeError:
         raise TypeError(f"{arg} must be a tuple of ints such as (3, 64, 64), "
                         f"got {shape!r}") from None
-    return tuple(_count(f"{arg}[{i}]", d) for i, d in enumerate(dims))
+    return tuple(check_int(f"{arg}[{i}]", d) for i, d in enumerate(dims))
 
 
 def _dtype(arg: str, dtype) -> np.dtype:
