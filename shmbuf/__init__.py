@@ -52,15 +52,12 @@ def attach(name: str, *, seed=None):
         raise
 
 
-def _segment_kind(name: str) -> int | None:
-    from ._layout import read_field
+def _segment_kind(name: str) -> int:
     from ._segment import Segment
 
     segment = Segment.attach(name)
     try:
-        if segment.size < 128:
-            return None
-        return read_field(segment.mmap, "kind")
+        return segment.header()[1]["kind"]
     finally:
         segment.close()
 

@@ -14,6 +14,7 @@ from . import _atomic as atomic
 from ._layout import CHUNK_FIELDS, EP_COLUMN, NO_SLOT
 
 FORMAT = "shmbuf-steps-v1"
+_STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8  # table columns
 
 
 def snapshot(buf) -> dict:
@@ -23,7 +24,7 @@ def snapshot(buf) -> dict:
     seq = (table[:, 0] >> np.uint64(32)).astype(np.int64)
     atomic.fence_acquire()
     counts = table[:, 1].astype(np.int64)
-    order = np.argsort(table[:, CHUNK_FIELDS["ticket"] // 8], kind="stable")
+    order = np.argsort(table[:, _TICKET], kind="stable")
     order = order[counts[order] > 0]
     parts = {c.name: [] for c in lay.columns}
     streams = []
@@ -37,7 +38,7 @@ def snapshot(buf) -> dict:
             continue  # recycled while copied
         for name, arr in copies.items():
             parts[name].append(arr)
-        streams.append(np.full(int(counts[chunk]), int(table[chunk, 4]), np.int64))
+        streams.append(np.full(int(counts[chunk]), int(table[chunk, _STREAM]), np.int64))
 
     def joined(name):
         col = lay.column(name)

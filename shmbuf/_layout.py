@@ -49,6 +49,9 @@ from ._errors import CorruptSegmentError, LayoutVersionError
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
 LAYOUT_VERSION = 1
 KIND_STORE, KIND_KEYED = 0, 1
+# What each kind holds, and what attaches to it: for error messages.
+KINDS = {KIND_STORE: ("a step store", "shmbuf.attach"),
+         KIND_KEYED: ("keyed rings (a HistoryBuffer)", "shmbuf.HistoryBuffer.attach")}
 LINE = 64
 PAGE = 4096
 MAX_NDIM = 8

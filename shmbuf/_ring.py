@@ -14,8 +14,8 @@ import numpy as np
 
 from . import _atomic as atomic
 from ._errors import NoFreeChunkError, NoFreeWriterSlotError
-from ._layout import (CHUNK_ENTRY, COUNTERS, NO_SLOT, SLOT_ENTRY, Layout, pack_chunk_state,
-                      unpack_chunk_state)
+from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, NO_SLOT, SLOT_ENTRY, SLOT_FIELDS,
+                      Layout, pack_chunk_state, unpack_chunk_state)
 from ._procs import is_alive, my_start_time
 
 _U32 = 0xFFFFFFFF
@@ -31,14 +31,14 @@ class Ring:
         table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
                               offset=layout.chunks_offset).reshape(n, CHUNK_ENTRY // 8)
         self.chunk_table = table
-        self.count = table[:, 1]
+        self.count = table[:, CHUNK_FIELDS["count"] // 8]
         self.chunk_base = np.arange(n, dtype=np.int64) * k
         self.chunk_rows = np.minimum(k, layout.capacity - self.chunk_base)
         off = layout.chunks_offset + np.arange(n, dtype=np.int64) * CHUNK_ENTRY
-        self.state_off, self.count_off = off, off + 8
-        self.next_off, self.next_seq_off = off + 16, off + 24
+        self.state_off, self.count_off = off, off + CHUNK_FIELDS["count"]
         self.slot_table = np.frombuffer(mm, dtype="<u8", count=layout.max_writers * SLOT_ENTRY // 8,
                                         offset=layout.slots_offset).reshape(-1, SLOT_ENTRY // 8)
+        self.slot_steps = self.slot_table[:, SLOT_FIELDS["steps"] // 8]
 
     # -- counters -------------------------------------------------------
     def counter(self, name: str) -> int:
@@ -51,10 +51,10 @@ class Ring:
         return int(self.count.sum())
 
     def steps_written(self) -> int:
-        return int(self.slot_table[:, 2].sum())
+        return int(self.slot_steps.sum())
 
     def episodes_ended(self) -> int:
-        return int(self.slot_table[:, 4].sum())
+        return int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())
 
     # -- writer slots ---------------------------------------------------
     def claim_slot(self) -> tuple[int, int]:
@@ -83,6 +83,12 @@ class Ring:
             return  # taken over already: someone judged us dead
         atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"), 0)
         atomic.compare_exchange(self.mm, off, state, lease << 32)
+
+    def live_writers(self) -> list[tuple[int, int, int]]:
+        """(slot, pid, steps counted by the slot) of every slot held by a live process."""
+        held = np.flatnonzero(self.slot_table[:, 0] & np.uint64(_U32))
+        return [(int(s), self.slot_holder(int(s))[0], int(self.slot_steps[s]))
+                for s in held if self.slot_alive(int(s))]
 
     def slot_holder(self, slot: int) -> tuple[int, int, int]:
         """(pid, lease, start time or 0 if not yet recorded) of ``slot``."""

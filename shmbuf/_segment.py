@@ -18,7 +18,8 @@ import weakref
 import numpy as np
 import posix_ipc
 
-from ._errors import (BufferClosedError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
+from ._layout import KINDS, decode_header
+from ._errors import (BufferClosedError, CorruptSegmentError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
 
 PREFIX = "shmbuf-"
@@ -131,6 +132,20 @@ class Segment:
         seg = cls()
         seg.name, seg.mmap, seg.size, seg.owner = name, mm, size, owner
         return seg
+
+    def header(self, kind: int | None = None):
+        """Decode and check the header: ``(layout, owner fields)``.
+
+        Raises CorruptSegmentError (naming the segment) if it is not a shmbuf
+        buffer, or not of ``kind`` when one is given.
+        """
+        layout, owner = decode_header(b"" if self.mmap is None else self.mmap, self.size,
+                                      self.name)
+        if kind is not None and owner["kind"] != kind:
+            holds, attach_with = KINDS[owner["kind"]]
+            raise CorruptSegmentError(f"segment {self.name!r} holds {holds}, not "
+                                      f"{KINDS[kind][0]}; attach it with {attach_with}")
+        return layout, owner
 
     def close(self) -> None:
         """Unmap, unless numpy views still export the mapping (then they keep it alive)."""

@@ -10,7 +10,7 @@ import sys
 import time
 
 from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError
-from ._layout import KIND_KEYED, decode_header
+from ._layout import KIND_KEYED
 from ._procs import is_alive
 from ._ring import Ring
 from ._segment import Segment, list_segments, unlink
@@ -22,9 +22,7 @@ class _Info:
     def __init__(self, name: str):
         self.segment = Segment.attach(name)
         try:
-            if self.segment.mmap is None:
-                decode_header(b"", 0, name)
-            self.layout, self.owner = decode_header(self.segment.mmap, self.segment.size, name)
+            self.layout, self.owner = self.segment.header()
         except BaseException:
             self.segment.close()
             raise
@@ -37,12 +35,7 @@ class _Info:
 
     def writers(self) -> list[tuple[int, int, int]]:
         """(slot, pid, steps) of every slot held by a live process."""
-        out = []
-        for slot in range(self.layout.max_writers):
-            pid = int(self.ring.slot_table[slot, 0]) & 0xFFFFFFFF
-            if pid and self.ring.slot_alive(slot):
-                out.append((slot, pid, int(self.ring.slot_table[slot, 2])))
-        return out
+        return self.ring.live_writers()
 
     def close(self):
         self.ring = None

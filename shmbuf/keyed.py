@@ -50,7 +50,7 @@ from ._errors import CorruptSegmentError, SampleRetryError
 from ._args import check_int
 from ._cast import coerce
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COLUMN_TABLE, KIND_KEYED, MAGIC, Layout,
-                      decode_header, encode_header, encode_meta, plan)
+                      encode_header, encode_meta, plan)
 from ._procs import my_start_time
 from ._segment import Mapped, Segment, column_views, generate_name, validate_name
 
@@ -363,11 +363,7 @@ def _attach_once(name: str) -> KeyedRings | None:
         if mm is None or segment.size < COLUMN_TABLE or atomic.load_acquire(mm, 0) == 0:
             segment.close()
             return None
-        layout, owner = decode_header(mm, segment.size, name)
-        if owner["kind"] != KIND_KEYED:
-            raise CorruptSegmentError(
-                f"segment {name!r} holds a step store, not keyed rings; attach it with "
-                "shmbuf.attach")
+        layout, owner = segment.header(KIND_KEYED)
         meta = owner["meta"]
         max_len = meta.get("max_len")
         if (not isinstance(max_len, int) or not 1 <= max_len < layout.chunk_size

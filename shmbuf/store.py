@@ -11,9 +11,9 @@ import numpy as np
 from . import _atomic as atomic
 from . import _checkpoint
 from ._args import check_int
-from ._errors import CorruptSegmentError, SampleRetryError, WaitTimeoutError
-from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, PAGE, Layout, decode_header,
-                      encode_header, encode_meta, pack_chunk_state, plan)
+from ._errors import SampleRetryError, WaitTimeoutError
+from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, PAGE, Layout, encode_header,
+                      encode_meta, pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
 from ._segment import Mapped, Segment, column_views, generate_name, validate_name
@@ -277,10 +277,9 @@ class Buffer(Mapped):
         ring, lay = self._ring, self._layout
         written = ring.steps_written()
         evicted = ring.counter("evicted")
-        alive = sum(ring.slot_alive(s) for s in range(lay.max_writers)
-                    if ring.slot_table[s, 0] & 0xFFFFFFFF)
         return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, written,
-                     ring.live_steps(), ring.episodes_ended(), evicted, written - 1, ring.chunks_in_use(), alive,
+                     ring.live_steps(), ring.episodes_ended(), evicted, written - 1,
+                     ring.chunks_in_use(), len(ring.live_writers()),
                      ring.counter("next_stream"), ring.counter("samples"),
                      self._owner_pid, is_alive(self._owner_pid, self._owner_start))
 
@@ -389,13 +388,7 @@ def attach(name: str, *, seed=None) -> Buffer:
     """
     segment = Segment.attach(name)
     try:
-        if segment.mmap is None:
-            decode_header(b"", 0, name)
-        layout, owner = decode_header(segment.mmap, segment.size, name)
-        if owner["kind"] != KIND_STORE:
-            raise CorruptSegmentError(
-                f"segment {name!r} holds keyed rings (a HistoryBuffer), not a step store; "
-                "attach it with shmbuf.HistoryBuffer.attach")
+        layout, owner = segment.header(KIND_STORE)
         return Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]),
                       owner["meta"], seed)
     except BaseException:
