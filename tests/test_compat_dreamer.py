@@ -12,7 +12,7 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.dreamer import ReplayBuffer
-from transition_helpers import JOIN_S, Stream, add_step, expect, writer_proc
+from transition_helpers import JOIN_S, Stream, add_step, run_writers
 from workers import step_for, verify_window
 
 OBS = (3, 8, 8)
@@ -392,52 +392,19 @@ def test_spawned_writers_and_a_sampling_trainer():
     Writers pause before their last 100 steps, so at the end each one's newest
     steps are live however the children were scheduled.
     """
-    ctx = mp.get_context("spawn")
     lengths, n_steps, tail = {1: 37, 2: 23, 3: 50}, 1500, 100
     terminals = _terminals_of(lengths, n_steps)
-    procs, conns = [], []
     with ReplayBuffer(600, OBS, 6, seq_len=8, batch_size=32, seed=11) as rb:
-        try:
-            for writer, n in lengths.items():
-                mine, theirs = ctx.Pipe()
-                conns.append(mine)
-                procs.append(ctx.Process(target=writer_proc,
-                                         args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
-                procs[-1].start()
-                theirs.close()
-            for conn in conns:
-                expect(conn, "ready")
-            waiting, batches = list(conns), 0
-            while waiting and batches < 80:   # sample while they write
-                check_batch(rb.sample(), terminals)
-                batches += 1
-                for conn in [c for c in waiting if c.poll(0)]:
-                    expect(conn, "paused")
-                    waiting.remove(conn)
-            for conn in waiting:
-                expect(conn, "paused")
-            for conn in conns:
-                conn.send("go")
-            while any(p.is_alive() for p in procs) and batches < 160:
-                check_batch(rb.sample(), terminals)
-                batches += 1
-            for p in procs:
-                p.join(JOIN_S)
-                assert p.exitcode == 0, f"writer exited with {p.exitcode}"
-            starts = []
-            for _ in range(10):
-                starts += check_batch(rb.sample(), terminals)
-            assert {w for w, _ in starts} == {1, 2, 3}
-            assert min(p for _, p in starts) >= n_steps - 600
-            assert (rb.steps, rb.episodes) == (3 * n_steps,
-                                               sum(n_steps // n for n in lengths.values()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(10)
-            for conn in conns:
-                conn.close()
+        run_writers(rb, lengths, n_steps, tail,
+                    lambda: check_batch(rb.sample(), terminals),
+                    lambda: check_batch(rb.sample(), terminals))
+        starts = []
+        for _ in range(10):
+            starts += check_batch(rb.sample(), terminals)
+        assert {w for w, _ in starts} == {1, 2, 3}
+        assert min(p for _, p in starts) >= n_steps - 600
+        assert (rb.steps, rb.episodes) == (3 * n_steps,
+                                           sum(n_steps // n for n in lengths.values()))
 
 
 def _attach_and_report(name: str, conn):

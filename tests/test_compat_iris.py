@@ -15,7 +15,7 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer, OnPolicyBufferFullError
-from transition_helpers import JOIN_S, Stream, add_step, expect, writer_proc
+from transition_helpers import JOIN_S, Stream, add_step, run_writers
 from workers import obs_for, step_for, verify_window
 
 OBS = (3, 8, 8)
@@ -424,53 +424,23 @@ def test_spawned_writers_and_a_sampling_trainer():
     Writers pause before their last 100 steps, so at the end each one's newest
     steps are live however the children were scheduled.
     """
-    ctx = mp.get_context("spawn")
     lengths, n_steps, tail = {1: 29, 2: 41}, 1500, 100
     steps = _all_steps(lengths, n_steps)
-    procs, conns = [], []
     with IRISReplayBuffer(500, OBS, 6, seq_len=7, batch_size=32, seed=11) as rb:
-        try:
-            for writer, n in lengths.items():
-                mine, theirs = ctx.Pipe()
-                conns.append(mine)
-                procs.append(ctx.Process(target=writer_proc,
-                                         args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
-                procs[-1].start()
-                theirs.close()
-            for conn in conns:
-                expect(conn, "ready")
-            waiting, batches = list(conns), 0
-            while waiting and batches < 80:   # sample while they write
-                check_sequences(rb.sample_sequence(), steps)
-                check_single(rb.sample_single(), steps)
-                batches += 1
-                for conn in [c for c in waiting if c.poll(0)]:
-                    expect(conn, "paused")
-                    waiting.remove(conn)
-            for conn in waiting:
-                expect(conn, "paused")
-            for conn in conns:
-                conn.send("go")
-            while any(p.is_alive() for p in procs) and batches < 160:
-                check_sequences(rb.sample_sequence(), steps)
-                batches += 1
-            for p in procs:
-                p.join(JOIN_S)
-                assert p.exitcode == 0, f"writer exited with {p.exitcode}"
-            starts = []
-            for _ in range(10):
-                starts += check_sequences(rb.sample_sequence(), steps)
-            assert {w for w, _ in starts} == {1, 2}
-            assert min(p for _, p in starts) >= n_steps - 500
-            assert (rb.steps, rb.episodes) == (2 * n_steps,
-                                               sum(n_steps // n for n in lengths.values()))
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(10)
-            for conn in conns:
-                conn.close()
+
+        def while_writing():
+            check_sequences(rb.sample_sequence(), steps)
+            check_single(rb.sample_single(), steps)
+
+        run_writers(rb, lengths, n_steps, tail, while_writing,
+                    lambda: check_sequences(rb.sample_sequence(), steps))
+        starts = []
+        for _ in range(10):
+            starts += check_sequences(rb.sample_sequence(), steps)
+        assert {w for w, _ in starts} == {1, 2}
+        assert min(p for _, p in starts) >= n_steps - 500
+        assert (rb.steps, rb.episodes) == (2 * n_steps,
+                                           sum(n_steps // n for n in lengths.values()))
 
 
 def _attach_and_report(name: str, conn):

@@ -2,6 +2,8 @@
 
 Kept out of test files so that spawned children can import it.
 """
+import multiprocessing as mp
+
 from shmbuf.compat.dreamer import ReplayBuffer
 from workers import step_for
 
@@ -65,3 +67,48 @@ def expect(conn, word: str) -> None:
     assert conn.poll(JOIN_S), f"a writer never said {word!r}"
     got = conn.recv()
     assert got == word, got
+
+
+def run_writers(rb, lengths: dict, n_steps: int, tail: int, while_writing, while_finishing):
+    """Spawn one ``writer_proc`` per ``{writer: episode_len}`` and sample meanwhile.
+
+    ``while_writing()`` runs (up to 80 times) until every writer paused before
+    its last ``tail`` steps, ``while_finishing()`` (up to 80 more) while they
+    add those; then every writer is joined and must have exited with 0.
+    """
+    ctx = mp.get_context("spawn")
+    procs, conns = [], []
+    try:
+        for writer, n in lengths.items():
+            mine, theirs = ctx.Pipe()
+            conns.append(mine)
+            procs.append(ctx.Process(target=writer_proc,
+                                     args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
+            procs[-1].start()
+            theirs.close()
+        for conn in conns:
+            expect(conn, "ready")
+        waiting, batches = list(conns), 0
+        while waiting and batches < 80:   # sample while they write
+            while_writing()
+            batches += 1
+            for conn in [c for c in waiting if c.poll(0)]:
+                expect(conn, "paused")
+                waiting.remove(conn)
+        for conn in waiting:
+            expect(conn, "paused")
+        for conn in conns:
+            conn.send("go")
+        while any(p.is_alive() for p in procs) and batches < 160:
+            while_finishing()
+            batches += 1
+        for p in procs:
+            p.join(JOIN_S)
+            assert p.exitcode == 0, f"writer exited with {p.exitcode}"
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+        for conn in conns:
+            conn.close()
