@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import store
-from .._errors import CorruptSegmentError
+from .._errors import BufferClosedError, CorruptSegmentError
 
 _REGISTRY: dict[str, type] = {}
 
@@ -57,6 +57,7 @@ class Facade:
     FACADE = ""
     buffer = None
     _writer = None
+    _closed = False
 
     # -- construction ---------------------------------------------------------
     def _create(self, spec: dict, capacity: int, params: dict, *, name=None, seed=None,
@@ -118,8 +119,16 @@ class Facade:
         if writer is not None:
             writer.close()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosedError(f"{type(self).__name__} {self.name!r} is closed")
+
     def close(self) -> None:
-        """Release this process's writer and mapping; the owner also unlinks.  Idempotent."""
+        """Release this process's writer and mapping; the owner also unlinks.  Idempotent.
+
+        Afterwards every method raises ``BufferClosedError``.
+        """
+        self._closed = True
         self._drop_writer()
         if self.buffer is not None:
             self.buffer.close()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
-from .._errors import BufferClosedError
 from ._base import Facade
 
 
@@ -57,8 +56,6 @@ def check_window(arg: str, seq_len, size: int, frames: int) -> int:
 class TransitionFacade(Facade):
     """Facade base for the (obs, action, reward, done) rings: counters and closing."""
 
-    _closed = False
-
     def _setup(self, params: dict) -> None:
         self.size = params["size"]
         self.obs_shape = tuple(params["obs_shape"])
@@ -69,20 +66,6 @@ class TransitionFacade(Facade):
     def _add(self, obs, action, reward, done) -> None:
         self._check_open()
         self._get_writer().add(obs=obs, action=action, reward=reward, done=done)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"{type(self).__name__} {self.name!r} is closed")
-
-    def close(self) -> None:
-        """Release this process's writer and mapping; the owner also unlinks.  Idempotent.
-
-        Example:
-            >>> rb.close()
-            >>> rb.close()   # no-op
-        """
-        self._closed = True
-        super().close()
 
     @property
     def steps(self) -> int:

@@ -319,17 +319,6 @@ class ReplayBuffer(Facade):
         return len(self) >= check_int("n", n, 0)
 
     # -- lifecycle and checkpoints ----------------------------------------------------
-    def close(self) -> None:
-        """Release this process's writer and mapping; the owner also unlinks.  Idempotent.
-
-        Afterwards every method raises ``BufferClosedError``.
-
-        Example:
-            >>> rb.close(); rb.close()   # the second call does nothing
-        """
-        super().close()
-        self._writer = None
-
     def load_state_dict(self, state: dict) -> None:
         """Replace the contents with a ``state_dict()``, keeping this buffer's capacity.
 
@@ -346,9 +335,6 @@ class ReplayBuffer(Facade):
         Example:
             >>> rb.load_state_dict(torch.load("buffer.pt", weights_only=True))
         """
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
         super().load_state_dict(state)
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 from .._args import check_int
 from .._cast import coerce
 from .._checkpoint import FORMAT
-from .._errors import (BufferClosedError, NotEnoughDataError, SampleRetryError,
+from .._errors import (NotEnoughDataError, SampleRetryError,
                        SampleTooLargeError)
 from ._base import Facade, register, to_numpy, to_torch
 from ._episodic import Batch, Draw, census, committed_rows, row_bytes
@@ -184,7 +184,6 @@ class Memory(Facade):
     FACADE = "planet.Memory"
     _rng = None
     _lock = None
-    _closed = False
     _schema = None     # constructor's shapes and dtypes, until the segment exists
     _pending = None    # constructor's name and seed, until the segment exists
 
@@ -501,11 +500,7 @@ class Memory(Facade):
 
     def _restore(self, state: dict) -> None:
         with self._lock:
-            # The core keeps chunks that live writers are filling; seal ours first.
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
-            super().load_state_dict(state)
+            super().load_state_dict(state)  # which closes this handle's writer first
 
     def _checkpoint_spec(self, spec: dict) -> dict:
         """This Memory's schema (or, with none yet, the checkpoint's shapes in it).
@@ -532,15 +527,6 @@ class Memory(Facade):
                 "stream": np.empty(0, np.int64), "episode": np.empty(0, np.int64)}
 
     # -- lifecycle --------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"Memory {self.name!r} is closed")
-
-    def close(self) -> None:
-        """Release this handle's writer and mapping; the creator also unlinks.  Idempotent."""
-        self._closed = True
-        super().close()
-
     def unlink(self) -> None:
         """Remove the shared segment's name now (creator only); no-op before it exists."""
         if self.buffer is not None:
