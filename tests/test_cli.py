@@ -1,5 +1,6 @@
 """The CLI: ls, info, rm, gc (dead owners only) and top, through real subprocesses."""
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -104,3 +105,11 @@ def test_usage_errors_exit_2_and_every_command_has_help():
     for command in ("ls", "info", "rm", "gc", "top"):
         got = cli(command, "--help")
         assert got.returncode == 0 and "usage: shmbuf" in got.stdout
+
+
+@pytest.mark.slow
+def test_console_script_is_installed():
+    script = shutil.which("shmbuf")
+    assert script is not None, "pip install -e . should install the shmbuf console script"
+    got = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and "usage: shmbuf" in got.stdout
