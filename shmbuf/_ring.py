@@ -47,11 +47,17 @@ class Ring:
     def bump(self, name: str, delta: int = 1) -> int:
         return atomic.fetch_add(self.mm, COUNTERS[name], delta)
 
+    # The sums are relaxed loads; the fence orders them before any later
+    # load, which Buffer.stats relies on for a consistent snapshot.
     def live_steps(self) -> int:
-        return int(self.count.sum())
+        total = int(self.count.sum())
+        atomic.fence_acquire()
+        return total
 
     def steps_written(self) -> int:
-        return int(self.slot_steps.sum())
+        total = int(self.slot_steps.sum())
+        atomic.fence_acquire()
+        return total
 
     def episodes_ended(self) -> int:
         return int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())

@@ -275,10 +275,16 @@ class Buffer(Mapped):
         """A snapshot of the header counters (see ``Stats``)."""
         self._check_open()
         ring, lay = self._ring, self._layout
-        written = ring.steps_written()
+        # Read order matters.  A step is counted as written before it is
+        # published, and published before it can be evicted; the written and
+        # evicted counts only grow.  Reading evicted, then live, then written
+        # keeps evicted <= written and live <= written however long this
+        # process is descheduled between the reads.
         evicted = ring.counter("evicted")
+        live = ring.live_steps()
+        written = ring.steps_written()
         return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, written,
-                     ring.live_steps(), ring.episodes_ended(), evicted, written - 1,
+                     live, ring.episodes_ended(), evicted, written - 1,
                      ring.chunks_in_use(), len(ring.live_writers()),
                      ring.counter("next_stream"), ring.counter("samples"),
                      self._owner_pid, is_alive(self._owner_pid, self._owner_start))

@@ -195,3 +195,20 @@ def test_wait_ready_returns_once_spawned_writers_wrote_enough(make_buffer):
     assert buf.wait_ready(min_steps=800, timeout=0) == 800
     verified, _ = sample_and_verify(buf, 10, 32, (10,), seed=4)
     assert verified == 320
+
+
+def test_stats_stay_consistent_while_writers_recycle(make_buffer):
+    # A tiny buffer recycles a chunk every couple of steps, so any read order
+    # of the counters that lets ``evicted`` overtake ``written`` shows up here.
+    buf = make_buffer(SPEC, 64, chunk_size=2)
+    jobs = [(write_until, (buf, i), dict(max_steps=2_000_000, episode_len=9)) for i in (1, 2)]
+    with Children(multiprocessing.get_context("spawn"), jobs) as children:
+        children.wait_ready()
+        bad = []
+        for _ in range(20_000):
+            s = buf.stats()
+            if not (0 < s.live_steps <= s.capacity and s.oldest_step <= s.newest_step + 1
+                    and s.steps_written >= s.live_steps):
+                bad.append(s)
+        children.stop_and_join()
+    assert not bad, f"{len(bad)} inconsistent snapshots, first {bad[0]}"
