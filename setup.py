@@ -1,4 +1,4 @@
-"""Declares the C extension; everything else lives in setup.cfg."""
+"""Declares the C extensions; everything else lives in setup.cfg."""
 from setuptools import Extension, setup
 
 setup(
@@ -7,6 +7,11 @@ setup(
             "shmbuf._atomic",
             sources=["shmbuf/_atomic.c"],
             extra_compile_args=["-std=c11", "-O2"],
-        )
+        ),
+        Extension(
+            "shmbuf._windows",
+            sources=["shmbuf/_windows.c"],
+            extra_compile_args=["-std=c11", "-O2"],
+        ),
     ]
 )

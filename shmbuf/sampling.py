@@ -11,7 +11,8 @@ Candidates are drawn uniformly over the rows of the chunks claimed so far and
 rejected when invalid, so the cost of a batch depends on the batch, not on
 the capacity or the fill.  When almost nothing is valid, the sampler
 enumerates every committed row instead; either way the draw is uniform over
-all valid start rows.
+all valid start rows.  The per-candidate check runs in C (``_windows.c``),
+which examines candidates in order and stops once enough are valid.
 """
 from __future__ import annotations
 
@@ -19,13 +20,22 @@ import dataclasses
 
 import numpy as np
 
-from . import _atomic as atomic
+from . import _windows
 from ._errors import NotEnoughDataError, SampleRetryError
-from ._layout import CHUNK_ENTRY, CHUNK_FIELDS
+from ._layout import EP_COLUMN
 
 _ROUNDS = 4
 _MAX_ELEMENTS = 1 << 22  # candidates x length per locate() call
-_REST = np.array([CHUNK_FIELDS[f] for f in ("count", "next", "next_seq")], np.int64)
+
+
+def max_hops(length: int, chunk_size: int) -> int:
+    """Chunks a window of ``length`` rows can touch.
+
+    The start chunk gives at least one row, every later chunk but the last
+    is full, and at most one of them (the last physical chunk, when the
+    capacity is not a multiple of the chunk size) is shorter.
+    """
+    return min(length, (length - 1) // chunk_size + 3)
 
 
 @dataclasses.dataclass
@@ -36,79 +46,47 @@ class Windows:
     chunks: np.ndarray      # (B, H) chunk per hop, -1 where unused
     seqs: np.ndarray        # (B, H) seq each hop had when located
 
-    def take(self, keep: np.ndarray) -> "Windows":
-        return Windows(self.rows[keep], self.chunks[keep], self.seqs[keep])
-
 
 class WindowFinder:
     """Locates and validates windows over one ring; see the module doc."""
 
-    def __init__(self, ring, ep_column: np.ndarray):
+    def __init__(self, ring):
         self.ring = ring
         self.mm = ring.mm
-        self.k = ring.layout.chunk_size
-        self.ep = ep_column
+        lay = ring.layout
+        self.k = lay.chunk_size
+        self.geometry = (lay.chunks_offset, lay.n_chunks, lay.chunk_size, lay.capacity,
+                         lay.column(EP_COLUMN).offset)
+        self.preempt = None  # tests: called before every shared load (see _windows.c)
 
-    def _snapshot(self, chunks: np.ndarray):
-        """(seq, count, next, next_seq) of ``chunks``, seq read before the rest."""
-        entry = self.ring.state_off[0] + chunks * CHUNK_ENTRY
-        state = np.empty(len(chunks), np.uint64)
-        atomic.load_many(self.mm, entry, state)  # ends with an acquire fence
-        rest = np.empty((len(chunks), 3), np.uint64)
-        atomic.load_many(self.mm, entry[:, None] + _REST, rest)
-        return (state >> np.uint64(32)).view(np.int64), rest.view(np.int64).T
-
-    def locate(self, starts: np.ndarray, length: int, tail: int = 0):
-        """Validity mask and Windows for candidate start rows (any order).
+    def locate(self, starts: np.ndarray, length: int, tail: int, need: int) -> Windows:
+        """The first ``need`` valid windows among candidate ``starts`` (int64), in order.
 
         The first ``length - tail`` rows must share an episode; the last
         ``tail`` rows only have to follow them in the stream.
         """
-        t = np.arange(length, dtype=np.int64)
-        chunk = starts // self.k
-        seq, (count, nxt, nxt_seq) = self._snapshot(chunk)
-        offset = starts - chunk * self.k
-        ok = ((seq & 1) == 0) & (offset < count)
-        rows = starts[:, None] + t
-        covered = count - offset
-        hops, hop_seqs = [chunk], [seq]
-        cur = chunk
-        for _ in range(length):
-            need = ok & (covered < length)
-            if not need.any():
-                break
-            # A writer links a successor only once the chunk is full; a count
-            # read before it filled up would make the window skip rows.
-            full = count == self.ring.chunk_rows[cur]
-            ok &= ~need | ((nxt > 0) & full)
-            need &= ok
-            succ = np.where(need, nxt - 1, 0)
-            s2, (c2, n2, ns2) = self._snapshot(succ)
-            ok &= ~need | (s2 == nxt_seq)
-            need &= ok
-            spill = need[:, None] & (t >= covered[:, None])
-            rows = np.where(spill, (succ * self.k - covered)[:, None] + t, rows)
-            hops.append(np.where(need, succ, -1))
-            hop_seqs.append(s2)
-            covered = np.where(need, covered + c2, covered)
-            nxt, nxt_seq = np.where(need, n2, 0), ns2
-            cur, count = succ, c2
-        ok &= covered >= length
-        good = np.flatnonzero(ok)
-        ok[good] = self.ep[rows[good, 0]] == self.ep[rows[good, length - 1 - tail]]
-        hop_chunks = np.stack(hops, axis=1)
-        hop_chunks[~ok] = -1
-        return ok, Windows(rows, hop_chunks, np.stack(hop_seqs, axis=1))
+        hops = max_hops(length, self.k)
+        picked = np.empty(need, np.int64)
+        rows = np.empty((need, length), np.int64)
+        chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
+        found, _ = _windows.find(self.mm, self.geometry, starts, length, tail, need, hops,
+                                 picked, rows, chunks, seqs, self.preempt)
+        return Windows(rows[:found], chunks[:found], seqs[:found])
+
+    def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
+        """The candidate ``starts`` (int64) that begin a valid window now."""
+        picked = np.empty(len(starts), np.int64)
+        found, _ = _windows.find(self.mm, self.geometry, starts, length, tail, len(starts),
+                                 max_hops(length, self.k), picked, None, None, None,
+                                 self.preempt)
+        return starts[picked[:found]]
 
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
-        atomic.fence_acquire()
-        used = w.chunks >= 0
-        state = np.empty(int(used.sum()), np.uint64)
-        atomic.load_many(self.mm, self.ring.state_off[w.chunks[used]], state)
-        same = np.ones(w.chunks.shape, bool)
-        same[used] = (state >> np.uint64(32)).astype(np.int64) == w.seqs[used]
-        return same.all(axis=1)
+        ok = np.empty(len(w.rows), np.bool_)
+        _windows.unchanged(self.mm, self.geometry[0], self.geometry[1], w.chunks, w.seqs,
+                           w.chunks.shape[1], ok, self.preempt)
+        return ok
 
     def draw(self, rng: np.random.Generator, batch: int, length: int, tail: int = 0) -> Windows:
         """``batch`` windows, uniform over every valid start row, with replacement."""
@@ -123,34 +101,32 @@ class WindowFinder:
             # Most candidates are valid once the buffer has filled: start with
             # a small margin, and grow fourfold per round when they are not.
             m = min((need + need // 8 + 16) << (2 * round_), cap)
-            ok, w = self.locate(rng.integers(0, span, m), length, tail)
-            keep = np.flatnonzero(ok)[:need]
-            found.append(w.take(keep))
-            need -= len(keep)
+            found.append(self.locate(rng.integers(0, span, m), length, tail, need))
+            need -= len(found[-1].rows)
         for _ in range(_ROUNDS):
             if not need:
                 break
-            ok, w = self.locate(self._valid_starts(rng, need, length, tail, claimed, cap),
-                                length, tail)
-            keep = np.flatnonzero(ok)
-            found.append(w.take(keep))
-            need -= len(keep)
+            found.append(self.locate(self._valid_starts(rng, need, length, tail, claimed),
+                                     length, tail, need))
+            need -= len(found[-1].rows)
         if need:
             raise SampleRetryError(
                 f"could not draw {batch} windows of length {length}: writers recycled the "
                 "chosen chunks each time; the buffer is too small for its ingest rate")
-        return _concat(found)
+        found = [w for w in found if len(w.rows)]
+        if len(found) == 1:
+            return found[0]
+        return Windows(*(np.concatenate([getattr(w, f) for w in found])
+                         for f in ("rows", "chunks", "seqs")))
 
-    def _valid_starts(self, rng, need: int, length: int, tail: int, claimed: int,
-                      block: int) -> np.ndarray:
+    def _valid_starts(self, rng, need: int, length: int, tail: int, claimed: int) -> np.ndarray:
         """``need`` start rows drawn from an enumeration of every committed row."""
         ring = self.ring
-        counts = ring.count[:claimed].astype(np.int64)
+        # Clipped: a corrupt count must not make the enumeration explode.
+        counts = np.clip(ring.count[:claimed].view(np.int64), 0, ring.chunk_rows[:claimed])
         starts = np.repeat(ring.chunk_base[:claimed], counts)
         starts += np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)
-        valid = [starts[lo:lo + block][self.locate(starts[lo:lo + block], length, tail)[0]]
-                 for lo in range(0, len(starts), block)]
-        valid = np.concatenate(valid) if valid else starts
+        valid = self.valid(starts, length, tail)
         if not len(valid):
             raise NotEnoughDataError(
                 f"no window of length {length} fits in the buffer yet: it holds "
@@ -158,17 +134,3 @@ class WindowFinder:
                 "stream without continuing past a terminal step; wait with "
                 "wait_ready(min_steps=..., timeout=...) or ask for shorter windows")
         return rng.choice(valid, need)
-
-
-def _concat(parts: list[Windows]) -> Windows:
-    parts = [p for p in parts if len(p.rows)]
-    if len(parts) == 1:
-        return parts[0]
-    hops = max(p.chunks.shape[1] for p in parts)
-
-    def pad(a, fill):
-        return np.pad(a, ((0, 0), (0, hops - a.shape[1])), constant_values=fill)
-
-    return Windows(np.concatenate([p.rows for p in parts]),
-                   np.concatenate([pad(p.chunks, -1) for p in parts]),
-                   np.concatenate([pad(p.seqs, 0) for p in parts]))

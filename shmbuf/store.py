@@ -12,7 +12,7 @@ from . import _atomic as atomic
 from . import _checkpoint
 from ._args import check_int
 from ._errors import SampleRetryError, WaitTimeoutError
-from ._layout import (EP_COLUMN, KIND_STORE, NO_SLOT, PAGE, Layout, encode_header,
+from ._layout import (KIND_STORE, NO_SLOT, PAGE, Layout, encode_header,
                       encode_meta, pack_chunk_state, plan)
 from ._procs import is_alive, my_start_time
 from ._ring import Ring
@@ -65,7 +65,7 @@ class Buffer(Mapped):
         self._meta = meta
         self._ring = Ring(segment.mmap, layout)
         self._views = column_views(segment, layout, layout.columns)
-        self._finder = WindowFinder(self._ring, self._views[EP_COLUMN])
+        self._finder = WindowFinder(self._ring)
         self._rng = np.random.default_rng(seed)
         self._open(segment)
 

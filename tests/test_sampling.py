@@ -531,8 +531,10 @@ def test_end_episode_env_cuts_one_stream(make_buffer):
 
 # -- a writer acting at every point of one sample call -------------------------------
 #
-# A profile hook counts the sampler's calls into shmbuf._atomic and runs a writer
-# action right before the k-th one, as if the trainer had been preempted there.
+# A hook counts the sampler's loads from shared memory and runs a writer action
+# right before the k-th one, as if the trainer had been preempted there.  It sees
+# the calls into shmbuf._atomic through a profile hook, and the loads inside the
+# C window check (shmbuf._windows) through that module's preempt argument.
 # Running k = 0, 1, 2, ... until the hook no longer fires explores every such
 # point of one sample_sequences call, deterministically and in one process.
 
@@ -541,21 +543,29 @@ class _Preempt:
     def __init__(self, k: int, action):
         self.k, self.action, self.calls, self.fired = k, action, 0, False
 
-    def __call__(self, frame, event, arg):
-        if event == "c_call" and getattr(arg, "__module__", None) == "shmbuf._atomic":
-            if self.calls == self.k:
-                self.fired = True
-                self.action()       # profiling is off inside the hook
-            self.calls += 1
+    def __call__(self, frame=None, event="c_call", arg=None):
+        if event != "c_call" or (arg is not None
+                                 and getattr(arg, "__module__", None) != "shmbuf._atomic"):
+            return
+        if self.calls == self.k:
+            self.fired = True
+            sys.setprofile(None)    # the writer's own atomics are not sample points
+            try:
+                self.action()
+            finally:
+                sys.setprofile(self)
+        self.calls += 1
 
 
 def _sample_preempted(buf, k: int, action, batch_size: int, length: int):
     hook = _Preempt(k, action)
+    buf._finder.preempt = hook
     sys.setprofile(hook)
     try:
         batch = buf.sample_sequences(batch_size, length, time_major=False, rng=k)
     finally:
         sys.setprofile(None)
+        buf._finder.preempt = None
     return batch, hook.fired
 
 
@@ -618,3 +628,35 @@ def test_tail_rows_follow_the_window_past_a_terminal(make_buffer):
     for bad in (-1, 4, True, 1.0):
         with pytest.raises(ValueError, match="tail"):
             buf.sample_sequences(4, 4, tail=bad)
+
+
+# -- a corrupt chunk table ------------------------------------------------------------
+#
+# Another process may scribble over the header.  The C window check reads chunk
+# indices, counts and links from it, so every such word is bounds-checked: the
+# sampler may then find garbage windows or none, but it never reads outside the
+# mapping, never hangs, and fails only with a shmbuf error.
+
+_WORD = st.one_of(st.integers(0, 80), st.sampled_from([2 ** 31, 2 ** 32 + 4, 2 ** 40, 2 ** 63]),
+                  st.integers(0, 2 ** 64 - 1))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.tuples(st.integers(0, 15), st.sampled_from(["state", "count", "next",
+                                                                "next_seq"]), _WORD),
+                min_size=1, max_size=12))
+def test_sampler_survives_a_scribbled_chunk_table(scribbles):
+    with shmbuf.create(SPEC, 64, chunk_size=4) as buf:
+        with buf.writer() as w:
+            for pos in range(100):
+                w.add(**step_for(1, pos, pos // 30, pos % 30, pos % 30 == 29))
+        mm, lay = buf._segment.mmap, buf._layout
+        for chunk, field, value in scribbles:
+            at = lay.chunk_field(chunk, field)
+            mm[at:at + 8] = value.to_bytes(8, "little")
+        for length in (1, 3, 9):
+            try:
+                batch = buf.sample_sequences(16, length, rng=length)
+            except (shmbuf.NotEnoughDataError, shmbuf.SampleRetryError):
+                continue
+            assert batch["obs"].shape == (length, 16, 3, 8, 8)

@@ -1,0 +1,336 @@
+/*
+ * The sampler's inner loop: which candidate start rows begin a valid window,
+ * and, after the copy, whether the chunks a window used were recycled.
+ *
+ * shmbuf/sampling.py states the rules and keeps everything else (drawing
+ * candidates, retries, the gather).  Doing this per candidate in C replaces
+ * about forty whole-array numpy passes with one pass that stops as soon as
+ * enough windows are found, which is what made small batches slow.
+ *
+ * The segment may be written by other processes at any instant and may even
+ * be corrupt, so every index read from it is bounds-checked before use: a bad
+ * word makes a candidate invalid, never a read outside the mapping.
+ *
+ * Memory orders mirror the Python protocol (docs/design.md): a chunk's state
+ * word, then its count, then its next link, each loaded with acquire, so that
+ * the rows and episode numbers read afterwards are at least as new as the
+ * count that published them.
+ *
+ * Both functions take an optional `preempt` callable, called (with the GIL
+ * held) before every load from the segment.  Tests use it to run a writer at
+ * each such point, as if this process had been descheduled there; it is None
+ * in production, where the loop runs with the GIL released.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdatomic.h>
+#include <stdint.h>
+
+typedef _Atomic uint64_t atomic_u64;
+
+/* Chunk entry: 64 bytes, fields as in _layout.CHUNK_FIELDS. */
+enum { ENTRY = 64, F_STATE = 0, F_COUNT = 8, F_NEXT = 16, F_NEXT_SEQ = 24 };
+
+typedef struct {
+    char *base;          /* start of the mapping */
+    Py_ssize_t len;      /* its length */
+    int64_t chunks_at;   /* offset of the chunk table */
+    int64_t n_chunks;
+    int64_t k;           /* chunk size in rows */
+    int64_t capacity;
+    int64_t ep_at;       /* offset of the int64 episode column */
+    PyObject *preempt;   /* None-or-callable test hook, see above; NULL if None */
+} Geometry;
+
+/* Run the test hook, if any, before a load; -1 if it raised. */
+static int
+call_preempt(PyObject *preempt)
+{
+    PyObject *r = PyObject_CallNoArgs(preempt);
+    Py_XDECREF(r);
+    return r ? 0 : -1;
+}
+
+#define PREEMPT(g)                                                  \
+    do {                                                            \
+        if ((g)->preempt && call_preempt((g)->preempt) < 0)         \
+            return -1;                                              \
+    } while (0)
+
+static inline uint64_t
+chunk_word(const Geometry *g, int64_t chunk, int field)
+{
+    return atomic_load_explicit(
+        (atomic_u64 *)(g->base + g->chunks_at + chunk * ENTRY + field),
+        memory_order_acquire);
+}
+
+static inline int64_t
+episode_of(const Geometry *g, int64_t row)
+{
+    return (int64_t)atomic_load_explicit(
+        (atomic_u64 *)(g->base + g->ep_at + row * 8), memory_order_relaxed);
+}
+
+static inline int64_t
+chunk_rows(const Geometry *g, int64_t chunk)
+{
+    int64_t left = g->capacity - chunk * g->k;
+    return left < g->k ? left : g->k;
+}
+
+/*
+ * Locate the window of `length` rows starting at `start`.  On success fill
+ * rows[length] (physical rows), hop_chunks[n] and hop_seqs[n], set *hops = n
+ * and return 1; return 0 if the window is not valid now, -1 if the preempt
+ * hook raised.
+ */
+static int
+locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
+           int64_t max_hops, int64_t *rows, int64_t *hop_chunks,
+           int64_t *hop_seqs, int64_t *hops)
+{
+    if (start < 0 || start >= g->capacity)
+        return 0;
+    int64_t chunk = start / g->k, offset = start - chunk * g->k;
+    PREEMPT(g);
+    int64_t seq = (int64_t)(chunk_word(g, chunk, F_STATE) >> 32);
+    if (seq & 1)
+        return 0;                                    /* being recycled */
+    PREEMPT(g);
+    int64_t count = (int64_t)chunk_word(g, chunk, F_COUNT);
+    int64_t rows_here = chunk_rows(g, chunk);
+    if (count > rows_here || offset >= count)
+        return 0;
+    int64_t n = 0, t = 0;
+    hop_chunks[n] = chunk;
+    hop_seqs[n++] = seq;
+    for (int64_t r = start; t < length && r < chunk * g->k + count; r++)
+        rows[t++] = r;
+    while (t < length) {
+        /* A successor is linked only once the chunk is full; a count read
+         * before it filled up would make the window skip rows. */
+        if (count != rows_here || n >= max_hops)
+            return 0;
+        PREEMPT(g);
+        uint64_t next = chunk_word(g, chunk, F_NEXT);
+        PREEMPT(g);
+        int64_t next_seq = (int64_t)chunk_word(g, chunk, F_NEXT_SEQ);
+        if (next == 0 || next > (uint64_t)g->n_chunks)
+            return 0;
+        chunk = (int64_t)next - 1;
+        PREEMPT(g);
+        seq = (int64_t)(chunk_word(g, chunk, F_STATE) >> 32);
+        if (seq != next_seq)
+            return 0;                                /* recycled since the link */
+        PREEMPT(g);
+        count = (int64_t)chunk_word(g, chunk, F_COUNT);
+        rows_here = chunk_rows(g, chunk);
+        if (count > rows_here)
+            return 0;
+        hop_chunks[n] = chunk;
+        hop_seqs[n++] = seq;
+        for (int64_t r = chunk * g->k; t < length && r < chunk * g->k + count; r++)
+            rows[t++] = r;
+        if (count == 0)
+            return 0;
+    }
+    PREEMPT(g);
+    int64_t first = episode_of(g, rows[0]);
+    PREEMPT(g);
+    if (first != episode_of(g, rows[length - 1 - tail]))
+        return 0;
+    *hops = n;
+    return 1;
+}
+
+static int
+get_geometry(Py_buffer *mm, PyObject *geo, PyObject *preempt, Geometry *g)
+{
+    g->preempt = preempt == Py_None ? NULL : preempt;
+    if (!PyArg_ParseTuple(geo, "LLLLL", &g->chunks_at, &g->n_chunks, &g->k,
+                          &g->capacity, &g->ep_at))
+        return -1;
+    g->base = (char *)mm->buf;
+    g->len = mm->len;
+    if (g->k < 1 || g->n_chunks < 1 || g->capacity < 1
+        || g->capacity > g->n_chunks * g->k
+        || g->chunks_at < 0 || g->chunks_at % 8
+        || g->chunks_at + g->n_chunks * ENTRY > g->len
+        || g->ep_at < 0 || g->ep_at % 8 || g->ep_at + g->capacity * 8 > g->len) {
+        PyErr_SetString(PyExc_ValueError, "geometry does not fit the buffer");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+check_len(Py_buffer *b, Py_ssize_t items, const char *what)
+{
+    if (b->buf != NULL && b->len < items * 8) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd",
+                     what, b->len, items * 8);
+        return -1;
+    }
+    return 0;
+}
+
+/*
+ * find(buffer, geometry, starts, length, tail, need, max_hops,
+ *      picked, rows, hop_chunks, hop_seqs, preempt=None) -> (found, examined)
+ *
+ * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at).  Examines
+ * the int64 `starts` in order until `need` valid windows are found.  For the
+ * i-th one: picked[i] = its index in starts; rows[i, :length],
+ * hop_chunks[i, :max_hops] and hop_seqs[i, :max_hops] (unused hops -1 / 0).
+ * rows, hop_chunks and hop_seqs may be None when only `picked` is wanted.
+ */
+static PyObject *
+find(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, starts, picked, rows = {0}, hc = {0}, hs = {0};
+    PyObject *geo, *rows_o, *hc_o, *hs_o, *preempt = Py_None;
+    long long length, tail, need, max_hops;
+    if (!PyArg_ParseTuple(args, "w*Oy*LLLLw*OOO|O", &mm, &geo, &starts, &length,
+                          &tail, &need, &max_hops, &picked, &rows_o, &hc_o, &hs_o,
+                          &preempt))
+        return NULL;
+    PyObject *result = NULL;
+    Geometry g;
+    int full = rows_o != Py_None, failed = 0;
+    if (get_geometry(&mm, geo, preempt, &g) < 0)
+        goto done;
+    if (length < 1 || tail < 0 || tail >= length || need < 0 || max_hops < 1
+        || max_hops > length + 2) {
+        PyErr_SetString(PyExc_ValueError, "bad length, tail, need or max_hops");
+        goto done;
+    }
+    if (full && (PyObject_GetBuffer(rows_o, &rows, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
+                 || PyObject_GetBuffer(hc_o, &hc, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
+                 || PyObject_GetBuffer(hs_o, &hs, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0))
+        goto done;
+    if (check_len(&picked, need, "picked") < 0
+        || (full && (check_len(&rows, need * length, "rows") < 0
+                     || check_len(&hc, need * max_hops, "hop_chunks") < 0
+                     || check_len(&hs, need * max_hops, "hop_seqs") < 0)))
+        goto done;
+    Py_ssize_t n_starts = starts.len / 8, found = 0, i = 0;
+    const int64_t *cand = (const int64_t *)starts.buf;
+    int64_t *row_scratch = PyMem_Malloc((size_t)(length + 2 * max_hops) * 8);
+    if (!row_scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *chunk_scratch = row_scratch + length, *seq_scratch = chunk_scratch + max_hops;
+    PyThreadState *released = g.preempt ? NULL : PyEval_SaveThread();
+    for (; i < n_starts && found < need; i++) {
+        int64_t hops;
+        int64_t *r = full ? (int64_t *)rows.buf + found * length : row_scratch;
+        int64_t *c = full ? (int64_t *)hc.buf + found * max_hops : chunk_scratch;
+        int64_t *s = full ? (int64_t *)hs.buf + found * max_hops : seq_scratch;
+        int valid = locate_one(&g, cand[i], length, tail, max_hops, r, c, s, &hops);
+        if (valid < 0) {
+            failed = 1;
+            break;
+        }
+        if (!valid)
+            continue;
+        for (int64_t h = hops; h < max_hops; h++) {
+            c[h] = -1;
+            s[h] = 0;
+        }
+        ((int64_t *)picked.buf)[found++] = i;
+    }
+    if (released)
+        PyEval_RestoreThread(released);
+    PyMem_Free(row_scratch);
+    if (!failed)
+        result = Py_BuildValue("nn", found, i);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&starts);
+    PyBuffer_Release(&picked);
+    if (rows.buf) PyBuffer_Release(&rows);
+    if (hc.buf) PyBuffer_Release(&hc);
+    if (hs.buf) PyBuffer_Release(&hs);
+    return result;
+}
+
+/*
+ * unchanged(buffer, chunks_at, n_chunks, hop_chunks, hop_seqs, max_hops, ok,
+ *           preempt=None)
+ *
+ * After an acquire fence, ok[i] = 1 if every used hop of window i still has
+ * the seq it had when located, else 0.  hop_chunks is -1 where unused.
+ */
+static PyObject *
+unchanged(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, hc, hs, ok;
+    long long chunks_at, n_chunks, max_hops;
+    PyObject *preempt = Py_None;
+    if (!PyArg_ParseTuple(args, "w*LLy*y*Lw*|O", &mm, &chunks_at, &n_chunks, &hc, &hs,
+                          &max_hops, &ok, &preempt))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = max_hops > 0 ? hc.len / 8 / max_hops : 0;
+    if (max_hops < 1 || chunks_at < 0 || chunks_at % 8 || n_chunks < 1
+        || chunks_at + n_chunks * ENTRY > mm.len || hs.len != hc.len
+        || ok.len < n || hc.len != n * max_hops * 8) {
+        PyErr_SetString(PyExc_ValueError, "unchanged: arguments do not fit");
+        goto done;
+    }
+    const int64_t *c = hc.buf, *s = hs.buf;
+    char *table = (char *)mm.buf + chunks_at;
+    atomic_thread_fence(memory_order_acquire);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char same = 1;
+        for (Py_ssize_t h = 0; h < max_hops; h++) {
+            int64_t chunk = c[i * max_hops + h];
+            if (chunk < 0)
+                break;
+            if (preempt != Py_None && call_preempt(preempt) < 0)
+                goto done;
+            if (chunk >= n_chunks) {
+                same = 0;
+                break;
+            }
+            uint64_t state = atomic_load_explicit(
+                (atomic_u64 *)(table + chunk * ENTRY + F_STATE), memory_order_relaxed);
+            if ((int64_t)(state >> 32) != s[i * max_hops + h]) {
+                same = 0;
+                break;
+            }
+        }
+        ((char *)ok.buf)[i] = same;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&hc);
+    PyBuffer_Release(&hs);
+    PyBuffer_Release(&ok);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"find", find, METH_VARARGS,
+     "find(buffer, geometry, starts, length, tail, need, max_hops, picked, rows, "
+     "hop_chunks, hop_seqs, preempt=None) -> (found, examined)"},
+    {"unchanged", unchanged, METH_VARARGS,
+     "unchanged(buffer, chunks_at, n_chunks, hop_chunks, hop_seqs, max_hops, ok, "
+     "preempt=None)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shmbuf._windows",
+    "The sampler's per-candidate window check, in C.", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__windows(void)
+{
+    return PyModule_Create(&module);
+}
