@@ -144,6 +144,13 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
     return 1;
 }
 
+/* A candidate's start row: raw random words are mapped onto [0, span). */
+static inline int64_t
+start_of(int64_t word, int64_t span)
+{
+    return span ? (int64_t)(((unsigned __int128)(uint64_t)word * (uint64_t)span) >> 64) : word;
+}
+
 static int
 get_geometry(Py_buffer *mm, PyObject *geo, PyObject *preempt, Geometry *g)
 {
@@ -176,11 +183,15 @@ check_len(Py_buffer *b, Py_ssize_t items, const char *what)
 }
 
 /*
- * find(buffer, geometry, starts, length, tail, need, max_hops,
+ * find(buffer, geometry, starts, span, length, tail, need, max_hops,
  *      picked, rows, hop_chunks, hop_seqs, preempt=None) -> (found, examined)
  *
  * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at).  Examines
- * the int64 `starts` in order until `need` valid windows are found.  For the
+ * the 8-byte `starts` in order until `need` valid windows are found.  With
+ * span == 0 they are int64 start rows; with span > 0 they are raw uniform
+ * 64-bit words (Generator.bit_generator.random_raw), each mapped to a row in
+ * [0, span) by a 128-bit multiply-shift (bias below span / 2**64), which is
+ * several times cheaper than Generator.integers for small batches.  For the
  * i-th one: picked[i] = its index in starts; rows[i, :length],
  * hop_chunks[i, :max_hops] and hop_seqs[i, :max_hops] (unused hops -1 / 0).
  * rows, hop_chunks and hop_seqs may be None when only `picked` is wanted.
@@ -190,8 +201,8 @@ find(PyObject *self, PyObject *args)
 {
     Py_buffer mm, starts, picked, rows = {0}, hc = {0}, hs = {0};
     PyObject *geo, *rows_o, *hc_o, *hs_o, *preempt = Py_None;
-    long long length, tail, need, max_hops;
-    if (!PyArg_ParseTuple(args, "w*Oy*LLLLw*OOO|O", &mm, &geo, &starts, &length,
+    long long span, length, tail, need, max_hops;
+    if (!PyArg_ParseTuple(args, "w*Oy*LLLLLw*OOO|O", &mm, &geo, &starts, &span, &length,
                           &tail, &need, &max_hops, &picked, &rows_o, &hc_o, &hs_o,
                           &preempt))
         return NULL;
@@ -200,9 +211,9 @@ find(PyObject *self, PyObject *args)
     int full = rows_o != Py_None, failed = 0;
     if (get_geometry(&mm, geo, preempt, &g) < 0)
         goto done;
-    if (length < 1 || tail < 0 || tail >= length || need < 0 || max_hops < 1
+    if (span < 0 || length < 1 || tail < 0 || tail >= length || need < 0 || max_hops < 1
         || max_hops > length + 2) {
-        PyErr_SetString(PyExc_ValueError, "bad length, tail, need or max_hops");
+        PyErr_SetString(PyExc_ValueError, "bad span, length, tail, need or max_hops");
         goto done;
     }
     if (full && (PyObject_GetBuffer(rows_o, &rows, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
@@ -228,7 +239,8 @@ find(PyObject *self, PyObject *args)
         int64_t *r = full ? (int64_t *)rows.buf + found * length : row_scratch;
         int64_t *c = full ? (int64_t *)hc.buf + found * max_hops : chunk_scratch;
         int64_t *s = full ? (int64_t *)hs.buf + found * max_hops : seq_scratch;
-        int valid = locate_one(&g, cand[i], length, tail, max_hops, r, c, s, &hops);
+        int64_t start = start_of(cand[i], span);
+        int valid = locate_one(&g, start, length, tail, max_hops, r, c, s, &hops);
         if (valid < 0) {
             failed = 1;
             break;
@@ -316,7 +328,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS,
-     "find(buffer, geometry, starts, length, tail, need, max_hops, picked, rows, "
+     "find(buffer, geometry, starts, span, length, tail, need, max_hops, picked, rows, "
      "hop_chunks, hop_seqs, preempt=None) -> (found, examined)"},
     {"unchanged", unchanged, METH_VARARGS,
      "unchanged(buffer, chunks_at, n_chunks, hop_chunks, hop_seqs, max_hops, ok, "

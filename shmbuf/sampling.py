@@ -59,24 +59,28 @@ class WindowFinder:
                          lay.column(EP_COLUMN).offset)
         self.preempt = None  # tests: called before every shared load (see _windows.c)
 
-    def locate(self, starts: np.ndarray, length: int, tail: int, need: int) -> Windows:
-        """The first ``need`` valid windows among candidate ``starts`` (int64), in order.
+    def locate(self, starts: np.ndarray, length: int, tail: int, need: int,
+               span: int = 0) -> tuple[Windows, int]:
+        """The first ``need`` valid windows among candidate ``starts``, in order,
+        and how many candidates were examined to find them.
 
-        The first ``length - tail`` rows must share an episode; the last
-        ``tail`` rows only have to follow them in the stream.
+        ``starts`` are int64 rows, or with ``span > 0`` raw uint64 random
+        words that the C pass maps uniformly onto rows ``[0, span)``.  The
+        first ``length - tail`` rows must share an episode; the last ``tail``
+        rows only have to follow them in the stream.
         """
         hops = max_hops(length, self.k)
         picked = np.empty(need, np.int64)
         rows = np.empty((need, length), np.int64)
         chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
-        found, _ = _windows.find(self.mm, self.geometry, starts, length, tail, need, hops,
-                                 picked, rows, chunks, seqs, self.preempt)
-        return Windows(rows[:found], chunks[:found], seqs[:found])
+        found, examined = _windows.find(self.mm, self.geometry, starts, span, length, tail,
+                                        need, hops, picked, rows, chunks, seqs, self.preempt)
+        return Windows(rows[:found], chunks[:found], seqs[:found]), examined
 
     def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
         """The candidate ``starts`` (int64) that begin a valid window now."""
         picked = np.empty(len(starts), np.int64)
-        found, _ = _windows.find(self.mm, self.geometry, starts, length, tail, len(starts),
+        found, _ = _windows.find(self.mm, self.geometry, starts, 0, length, tail, len(starts),
                                  max_hops(length, self.k), picked, None, None, None,
                                  self.preempt)
         return starts[picked[:found]]
@@ -95,19 +99,23 @@ class WindowFinder:
         span = int(ring.chunk_base[claimed - 1] + ring.chunk_rows[claimed - 1]) if claimed else 0
         cap = max(batch, _MAX_ELEMENTS // length)
         found, need = [], batch
+        # Candidates are cheap (one random word each; the C pass stops once
+        # enough are valid), so the first round has room for half of them to
+        # be invalid, and later rounds grow fourfold.  The sizes depend only
+        # on the batch, so a seed gives the same batch on the same contents.
+        m = 2 * need + 16
         for round_ in range(_ROUNDS):
             if not span or not need:
                 break
-            # Most candidates are valid once the buffer has filled: start with
-            # a small margin, and grow fourfold per round when they are not.
-            m = min((need + need // 8 + 16) << (2 * round_), cap)
-            found.append(self.locate(rng.integers(0, span, m), length, tail, need))
-            need -= len(found[-1].rows)
+            raw = rng.bit_generator.random_raw(min(m << 2 * round_, cap))
+            windows, _ = self.locate(raw, length, tail, need, span)
+            found.append(windows)
+            need -= len(windows.rows)
         for _ in range(_ROUNDS):
             if not need:
                 break
             found.append(self.locate(self._valid_starts(rng, need, length, tail, claimed),
-                                     length, tail, need))
+                                     length, tail, need)[0])
             need -= len(found[-1].rows)
         if need:
             raise SampleRetryError(
