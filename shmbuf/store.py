@@ -59,7 +59,7 @@ class Buffer(Mapped):
     """
 
     def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
-                 seed=None):
+                 seed=None, mapped: bool = False):
         self._layout = layout
         self._owner_pid, self._owner_start = owner
         self._meta = meta
@@ -67,6 +67,8 @@ class Buffer(Mapped):
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._rng = np.random.default_rng(seed)
+        # Chunks whose pages this process has not mapped yet (None: all mapped).
+        self._unmapped = None if mapped else np.ones(layout.n_chunks, np.bool_)
         self._open(segment)
 
     # -- identity -----------------------------------------------------------
@@ -130,12 +132,16 @@ class Buffer(Mapped):
         return Writer(self)
 
     def _populate(self, chunk: int) -> None:
-        """Map a claimed chunk's pages into this process before writing them.
+        """Map a claimed chunk's pages into this process before its first write here.
 
-        The owner maps everything at create; an attached writer would
-        otherwise take a minor fault per page of its first pass over the
-        ring.  One madvise per column instead of one fault per page.
+        A prefaulting owner maps everything at create; an attached writer
+        would otherwise take a minor fault per page of its first pass over
+        the ring.  One madvise per column instead of one fault per page, once
+        per chunk: the pages stay mapped in this process after that.
         """
+        if self._unmapped is None or not self._unmapped[chunk]:
+            return
+        self._unmapped[chunk] = False
         lay = self._layout
         first = chunk * lay.chunk_size
         rows = int(self._ring.chunk_rows[chunk])
@@ -375,7 +381,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         ring = Ring(segment.mmap, layout)
         ring.chunk_table[:, 0] = pack_chunk_state(0, True, NO_SLOT, 0)  # free to claim
         atomic.fence_seq_cst()
-        return Buffer(segment, layout, owner, json.loads(raw_meta), seed)
+        return Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
     except BaseException:
         segment.unlink()
         segment.close()

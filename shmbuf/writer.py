@@ -29,6 +29,7 @@ class _Streams:
         self.rows = np.zeros(n, np.int64)     # rows the chunk can hold
         self.ep = np.zeros(n, np.int64)       # episode number within the stream
         self.count_off = np.zeros(n, np.int64)
+        self.left = 0                         # calls before some stream's chunk is full
 
 
 class Writer:
@@ -106,7 +107,7 @@ class Writer:
                            f"the buffer's columns are {sorted(self._names)}")
 
     def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
-        self._check_names(columns, verb)
+        """The values in column order, cast losslessly; the names are already checked."""
         out = []
         for name, _, dtype, shape in self._cols:
             v = columns[name]
@@ -139,6 +140,7 @@ class Writer:
             >>> w.add(obs=frame, action=a, reward=1.0, done=False)
         """
         self._check()
+        self._check_names(columns, "add")
         values = self._coerce_all(columns, (), "add")
         s = self._solo
         if s is None:
@@ -189,19 +191,24 @@ class Writer:
         s = self._batch
         if s is None:
             s = self._batch = self._new_streams(n)
-        for i in np.flatnonzero(s.fill == s.rows):
-            self._advance(s, int(i))
+        if not s.left:   # every stream gains a row per call: chunks fill in lockstep
+            for i in np.flatnonzero(s.fill == s.rows):
+                self._advance(s, int(i))
+            s.left = int((s.rows - s.fill).min())
         rows = s.base + s.fill
         for (_, view, _, _), v in zip(self._cols, values):
             view[rows] = v
         self._ep_col[rows] = s.ep
         s.fill += 1
+        s.left -= 1
         self._count_steps(n)
         atomic.store_many(self._mm, s.count_off, s.fill)
         if self._done is not None:
-            ended = np.asarray(values[self._done_index]).astype(bool)
-            s.ep += ended
-            self._count_episodes(int(ended.sum()))
+            ended = values[self._done_index]
+            n_ended = int(np.count_nonzero(ended))
+            if n_ended:
+                s.ep += ended.astype(np.bool_, copy=False)
+                self._count_episodes(n_ended)
 
     def _count_steps(self, n: int) -> None:
         self._steps += n
