@@ -10,7 +10,7 @@ from ._errors import (BufferClosedError, CorruptSegmentError, LayoutVersionError
                       SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError, ShmbufError, WaitTimeoutError)
 from .compat.diamond import ReplayBuffer as DiamondReplayBuffer
-from .compat.diamond import SequenceDataset
+from .compat._diamond_dataset import SequenceDataset
 from .compat.dreamer import ReplayBuffer
 from .compat.history import HistoryBuffer
 from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer

@@ -19,7 +19,7 @@ from diamond_workers import (A, C, CUT_FROM, H, OBS_SHAPE, W, add_steps, check_i
                              check_sequences, check_steps, frame, identities, step, write_worker)
 from shmbuf import BufferClosedError, CorruptSegmentError, NotEnoughDataError, \
     SegmentNotFoundError
-from shmbuf.compat.diamond import ReplayBuffer, SequenceDataset
+from shmbuf.diamond import ReplayBuffer, SequenceDataset
 
 ITEM_KEYS = {"obs_seq", "action_seq", "actions", "rewards", "dones", "next_obs",
              "burn_in_obs", "burn_in_actions"}
@@ -57,7 +57,7 @@ def test_docs_example(tmp_path, monkeypatch):
     frames = np.random.default_rng(0).integers(0, 256, (101, 64, 64, 3), dtype=np.uint8)
     expect = torch.from_numpy(np.divide(np.moveaxis(frames, -1, 1), 255, dtype=np.float32))
 
-    from shmbuf.compat.diamond import ReplayBuffer, SequenceDataset
+    from shmbuf.diamond import ReplayBuffer, SequenceDataset
 
     buffer = ReplayBuffer(
         capacity=1000,          # the docs say 100000; small here

@@ -34,7 +34,8 @@ Deliberate differences from upstream (torchwm 0.4.2):
 
 ``import shmbuf`` must not import torch: only the methods that build tensors
 import it, and ``SequenceDataset`` implements torch's map-style Dataset
-protocol (``__getitem__``, ``__len__``) without subclassing its ``Dataset``.
+protocol (``__getitem__``, ``__len__``) without subclassing its ``Dataset``;
+it lives in ``_diamond_dataset``, and ``shmbuf.diamond`` exports both.
 """
 from __future__ import annotations
 
@@ -341,90 +342,3 @@ class ReplayBuffer(Facade):
         shape = "x".join(map(str, self.obs_shape))
         return f"<shmbuf.diamond.ReplayBuffer {self.name!r} {shape} on {self._device}>"
 
-
-class SequenceDataset:
-    """A torch map-style Dataset of windows drawn live from a shared ``ReplayBuffer``.
-
-    ``dataset[i]`` is a fresh window, uniform over the valid ones in the
-    buffer at that moment; the index only counts draws.  DataLoader workers
-    read the live shared buffer (a spawned one attaches by name, a forked one
-    shares the mapping), so steps added after the loader started show up.
-    Each worker draws from its own generator, seeded from torch's per-worker
-    seed and ``seed``: workers never repeat each other, a seeded loader
-    repeats itself.
-
-    Args:
-        replay_buffer: the ``ReplayBuffer`` to read.
-        sequence_length: steps per item, ``L``.
-        burn_in: context steps right before the sequence, in the same episode;
-            returned apart, as ``burn_in_obs`` and ``burn_in_actions``.
-        epoch_length: ``len(dataset)``; default None: the number of steps the
-            buffer holds at the time of the call (a ``DataLoader`` asks once per
-            epoch, so epochs grow with the buffer).  ``shuffle=True`` refuses a
-            length of 0 when the loader is built: build it once the buffer
-            holds steps, or pass ``epoch_length``.
-        seed: seed of the draws made in the main process, mixed into the
-            workers' seeds.
-
-    Raises:
-        TypeError / ValueError: a bad argument, naming it.
-
-    Items are dicts of CPU tensors: ``obs_seq`` (L, C, H, W) float32 in [0, 1];
-    ``action_seq`` and its alias ``actions`` (L, action_dim); ``rewards`` and
-    ``dones`` (L,) float32; ``next_obs`` (C, H, W), the frame right after
-    ``obs_seq[-1]``; ``burn_in_obs`` and ``burn_in_actions`` (burn_in, ...).
-    A draw with too little data raises ``NotEnoughDataError``.  Indexing
-    never runs out: iterate through a DataLoader or ``range(len(dataset))``.
-
-    Example:
-        >>> ds = SequenceDataset(rb, sequence_length=5, burn_in=4)
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=32, num_workers=2)
-        >>> next(iter(loader))["obs_seq"].shape   # (32, 5, 3, 64, 64)
-    """
-
-    def __init__(self, replay_buffer: ReplayBuffer, sequence_length: int = 5, burn_in: int = 4,
-                 *, epoch_length: int | None = None, seed: int | None = None):
-        if not isinstance(replay_buffer, ReplayBuffer):
-            raise TypeError(f"replay_buffer must be a shmbuf DIAMOND ReplayBuffer, got "
-                            f"{type(replay_buffer).__name__}")
-        self._length, self.burn_in = replay_buffer._window(sequence_length, burn_in)
-        self.replay_buffer = replay_buffer
-        self.sequence_length = self._length - self.burn_in
-        self.epoch_length = None if epoch_length is None else check_int("epoch_length",
-                                                                         epoch_length, 0)
-        self.seed = None if seed is None else check_int("seed", seed, 0)
-        self._rng = np.random.default_rng(self.seed)
-        self._rng_for = None    # torch worker seed of _rng; None in the main process
-
-    def __len__(self) -> int:
-        return len(self.replay_buffer) if self.epoch_length is None else self.epoch_length
-
-    def __getitem__(self, index: int) -> dict:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
-            raise TypeError(f"SequenceDataset indices are ints, got {type(index).__name__}")
-        batch = self.replay_buffer.buffer.sample_sequences(
-            1, self._length, time_major=False, rng=self._generator())
-        w = {k: v[0] for k, v in batch.items()}
-        ctx, seq = np.s_[:self.burn_in], np.s_[self.burn_in:]
-        actions = _values(w["action"][seq], "cpu")
-        return {"obs_seq": _frames(w["obs"][seq], "cpu"), "action_seq": actions,
-                "actions": actions, "rewards": _values(w["reward"][seq], "cpu"),
-                "dones": _values(w["done"][seq], "cpu", np.float32),
-                "next_obs": _frames(w["next_obs"][-1], "cpu"),
-                "burn_in_obs": _frames(w["obs"][ctx], "cpu"),
-                "burn_in_actions": _values(w["action"][ctx], "cpu")}
-
-    def _generator(self) -> np.random.Generator:
-        """This process's generator: a DataLoader worker reseeds from torch's worker seed."""
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker_seed = None if info is None else info.seed
-        if worker_seed != self._rng_for:
-            entropy = self.seed if worker_seed is None else [worker_seed, self.seed or 0]
-            self._rng, self._rng_for = np.random.default_rng(entropy), worker_seed
-        return self._rng
-
-    def __repr__(self) -> str:
-        return (f"<shmbuf.diamond.SequenceDataset of {self.replay_buffer.name!r} "
-                f"sequence_length={self.sequence_length} burn_in={self.burn_in}>")

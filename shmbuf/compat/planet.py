@@ -7,6 +7,8 @@ observation), then cuts the stream with ``end_episode``, so no window spans
 two episodes.  Two hidden columns repeat the episode's serial and length on
 every row; ``_episodic`` works out from them which episodes are held and how
 to draw them uniformly per episode from the core's per-start draws.
+``Episode`` itself lives in ``_planet_episode`` (re-exported here), and the
+checkpoint logic in ``_planet_state``.
 """
 from __future__ import annotations
 
@@ -15,120 +17,19 @@ import threading
 import numpy as np
 
 from .._args import check_int
-from .._cast import coerce
-from .._checkpoint import FORMAT
 from .._errors import (NotEnoughDataError, SampleRetryError,
                        SampleTooLargeError)
-from ._base import Facade, register, to_numpy, to_torch
+from . import _planet_state
+from ._base import Facade, register, to_numpy
 from ._episodic import Batch, Draw, census, committed_rows, row_bytes
 from ._episodic import capacity as store_capacity
+from ._planet_episode import Episode, episode_list, episode_rows
+from ._transitions import check_shape
+
+__all__ = ["Episode", "Memory"]
 
 DEFAULT_MAX_SAMPLE_BYTES = 200 * 2**20   # the "200 MiB threshold" of the TorchWM docs
 DEFAULT_STEPS_PER_EPISODE = 1000         # DeepMind Control's episode length
-
-
-class Episode:
-    """One episode, recorded in the process that runs the env (never shared).
-
-    ``append`` one step at a time, then ``terminate(final_obs)``: the lists
-    ``x``, ``u``, ``r``, ``t`` become arrays ``x (T+1, ...)`` (the final
-    observation last), ``u (T, ...)``, ``r (T,)`` and ``t (T,)`` (bool).
-
-    Args:
-        postprocess_fn: applied to each observation (a numpy array) as it is
-            recorded, final observation included; default identity.
-
-    Example:
-        >>> ep = Episode(postprocess_fn=lambda x: x / 255.0)
-        >>> ep.append(obs, action, 0.0, False)
-        >>> ep.terminate(final_obs); ep.x.shape   # (2, 3, 64, 64)
-    """
-
-    def __init__(self, postprocess_fn=None):
-        if postprocess_fn is not None and not callable(postprocess_fn):
-            raise TypeError("Episode(postprocess_fn=...) must be callable, got "
-                            f"{postprocess_fn!r}")
-        self.postprocess_fn = postprocess_fn if postprocess_fn is not None else _identity
-        self.x, self.u, self.r, self.t = [], [], [], []
-        self._size = 0
-        self._terminated = False
-
-    @property
-    def size(self) -> int:
-        """Steps appended so far (``T``)."""
-        return self._size
-
-    @property
-    def terminated(self) -> bool:
-        """True once ``terminate`` has stacked the episode."""
-        return self._terminated
-
-    def append(self, obs, act, reward, terminal) -> None:
-        """Record one step: the observation, the action taken, its reward and terminal flag.
-
-        Args:
-            obs: numpy array or torch tensor; passed through ``postprocess_fn``.
-            act: numpy array, torch tensor or number (copied).
-            reward: a number (or a one-element array/tensor).
-            terminal: a bool, or a number that is exactly 0 or 1.
-
-        Raises:
-            RuntimeError: the episode is already terminated.
-            ValueError / TypeError: a value is not numeric, or its shape differs
-                from the first step's; nothing is recorded.
-
-        Example:
-            >>> ep.append(torch.zeros(3, 64, 64), torch.zeros(6), 0.0, False)
-        """
-        self._check_recording("append")
-        x = self._observation("Episode.append(obs=...)", obs)
-        u = _numbers("Episode.append(act=...)", act)
-        if self.u and u.shape != self.u[0].shape:
-            raise ValueError(f"Episode.append(act=...): shape {u.shape} differs from the "
-                             f"first step's {self.u[0].shape}")
-        r = _scalar("Episode.append(reward=...)", reward)
-        t = _scalar("Episode.append(terminal=...)", terminal)
-        if t not in (0, 1):
-            raise ValueError(f"Episode.append(terminal=...): expected a bool or 0/1, got {t}")
-        self.x.append(x)
-        self.u.append(u)
-        self.r.append(r)
-        self.t.append(t.astype(np.bool_))
-        self._size += 1
-
-    def terminate(self, final_obs) -> None:
-        """Record the final observation and stack every list into an array.
-
-        Raises:
-            RuntimeError: already terminated.
-            ValueError: no step was appended, or ``final_obs`` has another shape.
-
-        Example:
-            >>> ep.terminate(obs); ep.u.shape   # (T, action_dim)
-        """
-        self._check_recording("terminate")
-        if not self._size:
-            raise ValueError("Episode.terminate: append() at least one step first")
-        x = self._observation("Episode.terminate(final_obs=...)", final_obs)
-        self.x = np.stack(self.x + [x])
-        self.u, self.r, self.t = np.stack(self.u), np.stack(self.r), np.stack(self.t)
-        self._terminated = True
-
-    def _check_recording(self, verb: str) -> None:
-        if self._terminated:
-            raise RuntimeError(f"Episode.{verb}: the episode is already terminated; "
-                               "record the next one in a new Episode()")
-
-    def _observation(self, label: str, obs) -> np.ndarray:
-        x = _numbers(label, self.postprocess_fn(_numbers(label, obs)))
-        if self.x and x.shape != self.x[0].shape:
-            raise ValueError(f"{label}: shape {x.shape} differs from the first "
-                             f"observation's {self.x[0].shape}")
-        return x
-
-    def __repr__(self):
-        state = "terminated" if self._terminated else "recording"
-        return f"<shmbuf Episode size={self._size} {state}>"
 
 
 @register
@@ -194,7 +95,7 @@ class Memory(Facade):
                   "steps_per_episode": check_int("Memory(steps_per_episode=...)", steps_per_episode),
                   "max_sample_bytes": check_int("Memory(max_sample_bytes=...)", max_sample_bytes)}
         if obs_shape is not None:
-            obs_shape = _shape("Memory(obs_shape=...)", obs_shape)
+            obs_shape = tuple(check_shape("Memory(obs_shape=...)", obs_shape))
         if action_size is not None:
             action_size = check_int("Memory(action_size=...)", action_size)
         self._schema = {"obs_shape": obs_shape, "action_size": action_size,
@@ -304,7 +205,7 @@ class Memory(Facade):
             >>> memory.append([episode])
         """
         self._check_open()
-        episodes = _episode_list(episodes)
+        episodes = episode_list(episodes)
         if not episodes:
             return
         spec = self.buffer.spec if self.buffer is not None else self._infer_spec(episodes[0])
@@ -344,16 +245,7 @@ class Memory(Facade):
                 f"Memory.append(episodes[{i}]): an episode of {steps} steps needs {steps + 1} "
                 f"rows but this Memory fits episodes of at most {capacity - chunk - 1} steps; "
                 f"create it with steps_per_episode >= {steps}")
-        u = episode.u[:, None] if episode.u.ndim == 1 else episode.u
-        run = {}
-        for name, value in (("x", episode.x), ("u", u), ("r", episode.r), ("t", episode.t)):
-            shape, dtype = spec[name]
-            n = steps + 1 if name == "x" else steps
-            arr = coerce(f"Memory.append(episodes[{i}].{name})", value, dtype, (n,) + shape)
-            full = np.zeros((steps + 1,) + shape, dtype)
-            full[:n] = arr
-            run[name] = full
-        return run
+        return episode_rows(i, episode, spec)
 
     # -- sampling -----------------------------------------------------------------
     def sample(self, batch_size, tracelen=1, time_first=False):
@@ -451,18 +343,7 @@ class Memory(Facade):
             >>> torch.save(memory.state_dict(), "memory.pt")
         """
         self._check_open()
-        if self.buffer is None:
-            state = {"format": FORMAT, "spec": {}, "columns": {},
-                     "stream": np.empty(0, np.int64), "episode": np.empty(0, np.int64)}
-        else:
-            state = self.buffer.snapshot()
-            cols = state["columns"]
-            held = census(cols["serial"], cols["length"], self.max_episodes).serials
-            keep = np.isin(cols["serial"], held)
-            state["columns"] = {k: v[keep] for k, v in cols.items()}
-            state["stream"], state["episode"] = state["stream"][keep], state["episode"][keep]
-        state["facade"] = self.FACADE
-        return to_torch(state)
+        return _planet_state.state_dict(self)
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the contents with a ``state_dict``, keeping this Memory's sizes.
@@ -480,51 +361,7 @@ class Memory(Facade):
             >>> fresh.load_state_dict(torch.load("memory.pt", weights_only=True))
         """
         self._check_open()
-        state = to_numpy(dict(state))
-        if state.get("facade") != self.FACADE:
-            raise ValueError(f"state: checkpoint was made by {state.get('facade')!r}, "
-                             f"not {self.FACADE!r}")
-        if not state.get("spec"):
-            if self.buffer is not None:
-                self._restore(self._empty_state())
-            return
-        spec = self._checkpoint_spec(state["spec"])
-        if self.buffer is None:
-            self._materialize(spec)
-        # Restored episodes get fresh serials, so that later appends are newer.
-        columns = dict(state["columns"])
-        old = np.unique(columns["serial"])
-        new = np.array([self.buffer.next_serial() for _ in old], np.int64)
-        columns["serial"] = new[np.searchsorted(old, columns["serial"])]
-        self._restore(dict(state, columns=columns))
-
-    def _restore(self, state: dict) -> None:
-        with self._lock:
-            super().load_state_dict(state)  # which closes this handle's writer first
-
-    def _checkpoint_spec(self, spec: dict) -> dict:
-        """This Memory's schema (or, with none yet, the checkpoint's shapes in it).
-
-        Raises ValueError, before anything changes, if the checkpoint's differs.
-        """
-        try:
-            mine = self.buffer.spec if self.buffer is not None else self._spec(
-                tuple(spec["x"][0]), int(spec["u"][0][0]))
-            got = {k: (list(v[0]), np.dtype(v[1]).str) for k, v in spec.items()}
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise ValueError(f"state: not a PlaNet Memory schema: {spec!r}") from exc
-        want = {k: (list(v[0]), np.dtype(v[1]).str) for k, v in mine.items()}
-        if want != got:
-            raise ValueError(f"state: checkpoint schema {got} does not match this Memory's "
-                             f"{want}; create the Memory with matching obs_dtype / action_dtype")
-        return mine
-
-    def _empty_state(self) -> dict:
-        spec = self.buffer.spec
-        return {"format": FORMAT, "facade": self.FACADE,
-                "spec": {k: (list(s), np.dtype(d).str) for k, (s, d) in spec.items()},
-                "columns": {k: np.empty((0,) + s, d) for k, (s, d) in spec.items()},
-                "stream": np.empty(0, np.int64), "episode": np.empty(0, np.int64)}
+        _planet_state.load_state_dict(self, to_numpy(dict(state)))
 
     # -- lifecycle --------------------------------------------------------------------
     def unlink(self) -> None:
@@ -549,42 +386,6 @@ class Memory(Facade):
 
 # -- argument checks ----------------------------------------------------------------
 
-def _numbers(label: str, value) -> np.ndarray:
-    """A private numpy copy of a numpy array, torch tensor or array-like of numbers."""
-    try:
-        if type(value).__module__.startswith("torch"):
-            value = value.detach().cpu().numpy()
-        arr = np.array(value, copy=True)
-    except (TypeError, ValueError, RuntimeError) as exc:
-        raise TypeError(f"{label}: cannot read {type(value).__name__} as an array "
-                        f"({exc})") from None
-    if arr.dtype.kind not in "biuf":
-        raise TypeError(f"{label}: expected numbers, got dtype {arr.dtype}")
-    return arr
-
-
-def _scalar(label: str, value) -> np.ndarray:
-    arr = _numbers(label, value)
-    if arr.size != 1:
-        raise ValueError(f"{label}: expected a scalar, got shape {arr.shape}")
-    return arr.reshape(())
-
-
-def _identity(x):
-    return x
-
-
-def _shape(arg: str, shape) -> tuple:
-    if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
-        shape = (shape,)
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"{arg} must be a tuple of ints such as (3, 64, 64), "
-                        f"got {shape!r}") from None
-    return tuple(check_int(f"{arg}[{i}]", d) for i, d in enumerate(dims))
-
-
 def _dtype(arg: str, dtype) -> np.dtype:
     try:
         dt = np.dtype(dtype)
@@ -593,19 +394,3 @@ def _dtype(arg: str, dtype) -> np.dtype:
     if dt.kind not in "biuf":
         raise TypeError(f"Memory({arg}=...): expected a numeric or bool dtype, got {dt}")
     return dt
-
-
-def _episode_list(episodes) -> list:
-    if isinstance(episodes, Episode):
-        episodes = [episodes]
-    if not isinstance(episodes, (list, tuple)):
-        raise ValueError("Memory.append(episodes=...): can only append an Episode or a list of "
-                         f"Episodes, got {type(episodes).__name__}")
-    for i, ep in enumerate(episodes):
-        if not isinstance(ep, Episode):
-            raise ValueError(f"Memory.append(episodes[{i}]): expected an Episode, got "
-                             f"{type(ep).__name__}")
-        if not ep.terminated:
-            raise ValueError(f"Memory.append(episodes[{i}]): the episode is not terminated; "
-                             "call episode.terminate(final_obs) first")
-    return list(episodes)

@@ -1,0 +1,178 @@
+"""PlaNet's ``Episode``: recorded step by step in one process, stacked, laid out as rows.
+
+Besides the class: the checks of what ``Episode.append`` records (numbers,
+scalars), of the episodes that ``Memory.append`` takes (``episode_list``),
+and the rows that ``Memory`` stores for an episode (``episode_rows``).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._cast import coerce
+
+
+class Episode:
+    """One episode, recorded in the process that runs the env (never shared).
+
+    ``append`` one step at a time, then ``terminate(final_obs)``: the lists
+    ``x``, ``u``, ``r``, ``t`` become arrays ``x (T+1, ...)`` (the final
+    observation last), ``u (T, ...)``, ``r (T,)`` and ``t (T,)`` (bool).
+
+    Args:
+        postprocess_fn: applied to each observation (a numpy array) as it is
+            recorded, final observation included; default identity.
+
+    Example:
+        >>> ep = Episode(postprocess_fn=lambda x: x / 255.0)
+        >>> ep.append(obs, action, 0.0, False)
+        >>> ep.terminate(final_obs); ep.x.shape   # (2, 3, 64, 64)
+    """
+
+    def __init__(self, postprocess_fn=None):
+        if postprocess_fn is not None and not callable(postprocess_fn):
+            raise TypeError("Episode(postprocess_fn=...) must be callable, got "
+                            f"{postprocess_fn!r}")
+        self.postprocess_fn = postprocess_fn if postprocess_fn is not None else _identity
+        self.x, self.u, self.r, self.t = [], [], [], []
+        self._size = 0
+        self._terminated = False
+
+    @property
+    def size(self) -> int:
+        """Steps appended so far (``T``)."""
+        return self._size
+
+    @property
+    def terminated(self) -> bool:
+        """True once ``terminate`` has stacked the episode."""
+        return self._terminated
+
+    def append(self, obs, act, reward, terminal) -> None:
+        """Record one step: the observation, the action taken, its reward and terminal flag.
+
+        Args:
+            obs: numpy array or torch tensor; passed through ``postprocess_fn``.
+            act: numpy array, torch tensor or number (copied).
+            reward: a number (or a one-element array/tensor).
+            terminal: a bool, or a number that is exactly 0 or 1.
+
+        Raises:
+            RuntimeError: the episode is already terminated.
+            ValueError / TypeError: a value is not numeric, or its shape differs
+                from the first step's; nothing is recorded.
+
+        Example:
+            >>> ep.append(torch.zeros(3, 64, 64), torch.zeros(6), 0.0, False)
+        """
+        self._check_recording("append")
+        x = self._observation("Episode.append(obs=...)", obs)
+        u = _numbers("Episode.append(act=...)", act)
+        if self.u and u.shape != self.u[0].shape:
+            raise ValueError(f"Episode.append(act=...): shape {u.shape} differs from the "
+                             f"first step's {self.u[0].shape}")
+        r = _scalar("Episode.append(reward=...)", reward)
+        t = _scalar("Episode.append(terminal=...)", terminal)
+        if t not in (0, 1):
+            raise ValueError(f"Episode.append(terminal=...): expected a bool or 0/1, got {t}")
+        self.x.append(x)
+        self.u.append(u)
+        self.r.append(r)
+        self.t.append(t.astype(np.bool_))
+        self._size += 1
+
+    def terminate(self, final_obs) -> None:
+        """Record the final observation and stack every list into an array.
+
+        Raises:
+            RuntimeError: already terminated.
+            ValueError: no step was appended, or ``final_obs`` has another shape.
+
+        Example:
+            >>> ep.terminate(obs); ep.u.shape   # (T, action_dim)
+        """
+        self._check_recording("terminate")
+        if not self._size:
+            raise ValueError("Episode.terminate: append() at least one step first")
+        x = self._observation("Episode.terminate(final_obs=...)", final_obs)
+        self.x = np.stack(self.x + [x])
+        self.u, self.r, self.t = np.stack(self.u), np.stack(self.r), np.stack(self.t)
+        self._terminated = True
+
+    def _check_recording(self, verb: str) -> None:
+        if self._terminated:
+            raise RuntimeError(f"Episode.{verb}: the episode is already terminated; "
+                               "record the next one in a new Episode()")
+
+    def _observation(self, label: str, obs) -> np.ndarray:
+        x = _numbers(label, self.postprocess_fn(_numbers(label, obs)))
+        if self.x and x.shape != self.x[0].shape:
+            raise ValueError(f"{label}: shape {x.shape} differs from the first "
+                             f"observation's {self.x[0].shape}")
+        return x
+
+    def __repr__(self):
+        state = "terminated" if self._terminated else "recording"
+        return f"<shmbuf Episode size={self._size} {state}>"
+
+
+def episode_rows(i: int, episode: Episode, spec: dict) -> dict:
+    """``Memory.append``'s ``episodes[i]`` as its ``T + 1`` rows, cast to ``spec``.
+
+    The final row holds only the final observation (``u``, ``r`` and ``t``
+    are zero there).  Errors name the field, e.g. ``Memory.append(episodes[1].x)``.
+    """
+    steps = episode.size
+    u = episode.u[:, None] if episode.u.ndim == 1 else episode.u
+    run = {}
+    for name, value in (("x", episode.x), ("u", u), ("r", episode.r), ("t", episode.t)):
+        shape, dtype = spec[name]
+        n = steps + 1 if name == "x" else steps
+        arr = coerce(f"Memory.append(episodes[{i}].{name})", value, dtype, (n,) + shape)
+        full = np.zeros((steps + 1,) + shape, dtype)
+        full[:n] = arr
+        run[name] = full
+    return run
+
+
+# -- argument checks ----------------------------------------------------------------
+
+def episode_list(episodes) -> list:
+    """``Memory.append``'s ``episodes``: an Episode or a list of them, each terminated."""
+    if isinstance(episodes, Episode):
+        episodes = [episodes]
+    if not isinstance(episodes, (list, tuple)):
+        raise ValueError("Memory.append(episodes=...): can only append an Episode or a list of "
+                         f"Episodes, got {type(episodes).__name__}")
+    for i, ep in enumerate(episodes):
+        if not isinstance(ep, Episode):
+            raise ValueError(f"Memory.append(episodes[{i}]): expected an Episode, got "
+                             f"{type(ep).__name__}")
+        if not ep.terminated:
+            raise ValueError(f"Memory.append(episodes[{i}]): the episode is not terminated; "
+                             "call episode.terminate(final_obs) first")
+    return list(episodes)
+
+
+def _numbers(label: str, value) -> np.ndarray:
+    """A private numpy copy of a numpy array, torch tensor or array-like of numbers."""
+    try:
+        if type(value).__module__.startswith("torch"):
+            value = value.detach().cpu().numpy()
+        arr = np.array(value, copy=True)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(f"{label}: cannot read {type(value).__name__} as an array "
+                        f"({exc})") from None
+    if arr.dtype.kind not in "biuf":
+        raise TypeError(f"{label}: expected numbers, got dtype {arr.dtype}")
+    return arr
+
+
+def _scalar(label: str, value) -> np.ndarray:
+    arr = _numbers(label, value)
+    if arr.size != 1:
+        raise ValueError(f"{label}: expected a scalar, got shape {arr.shape}")
+    return arr.reshape(())
+
+
+def _identity(x):
+    return x
