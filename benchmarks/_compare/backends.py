@@ -10,7 +10,7 @@ import numpy as np
 
 import shmbuf
 from bench_dreamer import UpstreamRing
-from bench_store import EPISODE, _w1_rows, fill as shm_fill
+from _store_workload import EPISODE, _w1_rows, fill as shm_fill
 
 from .base import Backend, NotApplicable, Unavailable, columns, time_major_rows
 from .history import AB, MAX_LEN, N_ENVS, STEPS, SeedDeque, ShmbufHistory, infos

@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 
-from bench_store import EPISODE, W1_SPEC, _w1_rows
+from _store_workload import EPISODE, W1_SPEC, _w1_rows
 
 from .pool import WriterPool
 

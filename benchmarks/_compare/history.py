@@ -39,11 +39,6 @@ AB, MAX_LEN, N_ENVS, STEPS = _bh.AB, _bh.MAX_LEN, _bh.N_ENVS, _bh.STEPS
 DequeHistory, infos = _bh.DequeHistory, _bh.infos
 
 
-_bh, HISTORY_IMPORT_ERROR = _import_bench_history()
-AB, MAX_LEN, N_ENVS, STEPS = _bh.AB, _bh.MAX_LEN, _bh.N_ENVS, _bh.STEPS
-DequeHistory, infos = _bh.DequeHistory, _bh.infos
-
-
 class _History(Backend):
     def _fill(self, buf):
         for info in infos(False):

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from bench_store import _w1_rows, _write_add, touch_mapping
+from _store_workload import _w1_rows, _write_add, touch_mapping
 from .pool import collect, stop_children
 from .report import failure, figure
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import queue
 import time
 
+from _store_workload import stop_children
+
 WAIT_S = 60.0          # every get and join is bounded by this
 LEAD_S = 0.03          # a round starts this long after its commands are sent
 IDLE_EXIT_S = 900.0    # a child whose parent vanished exits after this long
@@ -118,14 +120,3 @@ def collect(results, procs, tag: str, n: int) -> list:
         if msg[0] == tag:
             out.append(msg)
     return out
-
-
-def stop_children(procs, grace: float = 10.0) -> None:
-    """Join each child (bounded), then kill and reap whatever is still alive."""
-    deadline = time.monotonic() + grace
-    for proc in procs:
-        proc.join(max(0.1, deadline - time.monotonic()))
-    for proc in procs:
-        if proc.is_alive():
-            proc.kill()
-            proc.join(10)

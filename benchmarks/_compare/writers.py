@@ -22,7 +22,7 @@ import logging
 
 import numpy as np
 
-from bench_store import EPISODE, _w1_rows, _write_add, _write_rows, touch_mapping
+from _store_workload import EPISODE, _w1_rows, _write_add, _write_rows, touch_mapping
 
 BATCH_ROWS = 16
 

@@ -16,12 +16,10 @@ import numpy as np
 
 from .. import keyed
 from .._args import check_int
-from .._strided import AgeTables, contiguous_window
-from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
-                       SegmentExistsError)
-from .._errors import SegmentNotFoundError
+from .._strided import contiguous_window
+from .._errors import BufferClosedError, SchemaPendingError, SegmentExistsError
 from .._segment import SHM_DIR, generate_name, validate_name
-from . import _infos
+from . import _history_out, _history_segment, _infos
 from ._base import to_numpy
 
 def _block_keys(block_keys) -> frozenset:
@@ -126,41 +124,13 @@ class HistoryBuffer:
 
     # -- the segment ------------------------------------------------------------
     def _create(self, schema) -> None:
-        meta = {"facade": "HistoryBuffer", "params": self._params(),
-                "keys": _infos.schema_meta(schema)}
-        try:
-            rings = keyed.create({s.column: (s.shape, s.dtype) for s in schema}, self.n_envs,
-                                 self.max_len, spare=self.SPARE, name=self._name, meta=meta)
-        except ValueError as exc:
-            if "meta" in str(exc):
-                raise ValueError(f"HistoryBuffer: the key names are too long to record "
-                                 f"({exc}); use fewer or shorter keys") from None
-            raise
-        self._bind(rings, schema)
+        """Create the segment for ``schema`` (``_history_state`` restores through this)."""
+        _history_segment.create(self, schema)
 
     def _bind(self, rings, schema) -> None:
         self._rings, self._schema = rings, schema
-        self._ages, self._part_cache = AgeTables(self.action_block), {}
-        self._frame_cols = [s for s in schema if s.key not in self.block_keys]
-        self._block_cols = [s for s in schema if s.key in self.block_keys]
+        self._layout = _history_out.Layout(schema, self.block_keys, self.action_block)
         self._ring_views = rings.views
-        self._width = {s.column: int(np.prod(s.shape, dtype=np.int64)) for s in schema}
-        # frames with a time dim T > 1 at a stride > 1 are no single strided view
-        self._long_steps = any(s.shape and s.shape[0] > 1 for s in self._frame_cols)
-
-    def _bind_attached(self, rings, adopt: bool = False) -> None:
-        """Bind attached ``rings``; ``adopt`` takes the parameters from their metadata."""
-        meta = rings.meta
-        if meta.get("facade") != "HistoryBuffer":
-            raise CorruptSegmentError(f"segment {rings.name!r} holds keyed rings that were not "
-                                      "made by a HistoryBuffer")
-        if adopt:
-            p = meta["params"]
-            self._set_params(p["n_envs"], p["max_len"], p["action_block"], p["block_keys"])
-        elif meta["params"] != self._params():
-            raise CorruptSegmentError(f"segment {rings.name!r} was made with {meta['params']}, "
-                                      f"but this handle expects {self._params()}")
-        self._bind(rings, _infos.schema_from_meta(meta["keys"], rings.spec))
 
     def _may_create(self) -> bool:
         return self._creator and os.getpid() == self._creator_pid
@@ -173,16 +143,7 @@ class HistoryBuffer:
         """The rings, attaching lazily in other processes; None while there is no schema."""
         self._check_open()
         if self._rings is None and not self._may_create():
-            try:
-                rings = keyed._attach_once(self._name)
-            except SegmentNotFoundError:
-                return None
-            if rings is not None:
-                try:
-                    self._bind_attached(rings)
-                except BaseException:
-                    rings.close()
-                    raise
+            _history_segment.attach_lazily(self)
         return self._rings
 
     def _env_ids(self, env_ids, verb: str, distinct: bool = False) -> np.ndarray:
@@ -266,47 +227,14 @@ class HistoryBuffer:
         rings = self._ensure()
         if rings is None:
             return None
+        layout = self._layout
         if not len(envs):
-            return self._assemble(n, {}, empty=True)
+            return layout.assemble(n, {}, empty=True)
         arrays, lengths = rings.read(None if env_ids is None else envs,
-                                     functools.partial(self._ages.lookup, n), self._parts(n))
+                                     functools.partial(layout.ages.lookup, n), layout.parts(n))
         if np.count_nonzero(lengths) < len(lengths):
             return None   # some selected env is empty
-        return self._assemble(n, arrays)
-
-    def _parts(self, n: int) -> dict:
-        """Which ages of ``AgeTables.lookup(n)`` each column reads."""
-        parts = self._part_cache.get(n)
-        if parts is None:
-            frames, blocks = slice(0, n), slice(n, None)
-            parts = {s.column: frames for s in self._frame_cols}
-            if n > 1:
-                parts.update({s.column: blocks for s in self._block_cols})
-            if len(self._part_cache) >= 16:
-                self._part_cache.clear()
-            self._part_cache[n] = parts
-        return parts
-
-    def _assemble(self, n: int, arrays: dict, empty: bool = False) -> dict:
-        ab, out = self.action_block, {}
-        for s in self._schema:
-            block = s.key in self.block_keys
-            if block and n == 1:
-                continue
-            if empty:
-                arr = np.zeros((0, (n - 1) * ab if block else n) + s.shape, s.dtype)
-            else:
-                arr = arrays[s.column]
-            if block:
-                arr = arr.reshape(len(arr), n - 1, ab * self._width[s.column])
-                if arr.dtype.kind in "fc":
-                    nan = np.isnan(arr)
-                    if np.count_nonzero(nan):
-                        arr[nan] = 0
-            elif s.shape:
-                arr = arr.reshape((len(arr), n * s.shape[0]) + s.shape[1:])
-            out[s.key] = _to_output(s, arr)
-        return out
+        return layout.assemble(n, arrays)
 
     def get_view(self, n: int, env_id: int) -> dict | None:
         """Zero-copy ``get(n, [env_id])`` for one env, without the env dim, when possible.
@@ -329,25 +257,13 @@ class HistoryBuffer:
         if not -self.n_envs <= env < self.n_envs:
             raise IndexError(f"get_view: env id {env} is out of range for n_envs={self.n_envs}")
         rings = self._ensure()
-        if n <= 0 or rings is None or (self.action_block > 1 and self._long_steps):
+        if n <= 0 or rings is None or (self.action_block > 1 and self._layout.long_steps):
             return None
-        ab, env = self.action_block, env % self.n_envs
-        window = contiguous_window(n, ab, *rings.bounds_of(env), rings.ring_len)
+        env = env % self.n_envs
+        window = contiguous_window(n, self.action_block, *rings.bounds_of(env), rings.ring_len)
         if window is None:
             return None
-        first, last = window
-        out = {}
-        for s in self._schema:
-            ring = self._ring_views[s.column][env]
-            if s.key not in self.block_keys:
-                arr = ring[first:last + 1:ab]
-                arr = arr.reshape((n * s.shape[0],) + s.shape[1:]) if s.shape else arr
-            elif n > 1:
-                arr = ring[first + 1:last + 1].reshape(n - 1, ab * self._width[s.column])
-            else:
-                continue
-            out[s.key] = _to_output(s, arr, move=False)
-        return out
+        return self._layout.view(self._ring_views, env, n, *window)
 
     def reset(self, env_ids=None) -> None:
         """Clear the given envs (all if None; ``[]``: none); other envs keep their history.
@@ -403,13 +319,8 @@ class HistoryBuffer:
             >>> planner_view = HistoryBuffer.attach("shmbuf-1a2b3c4d5e6f")
         """
         rings = keyed.attach(name)
-        self = cls.__new__(cls)
-        self._name, self.rng = name, np.random.default_rng()
-        try:
-            self._bind_attached(rings, adopt=True)
-        except BaseException:
-            rings.close()
-            raise
+        self = _history_segment.new_handle(cls, name)
+        _history_segment.bind_attached(self, rings, adopt=True)
         return self
 
     def close(self) -> None:
@@ -476,25 +387,10 @@ class HistoryBuffer:
         _history_state.load_state_dict(self, to_numpy(dict(state)))
 
 
-def _to_output(s, arr, move: bool = True):
-    if not s.torch:
-        return arr
-    import torch
-
-    t = torch.from_numpy(arr)
-    return t.to(s.device) if move and s.device != "cpu" else t
-
-
 def _rebuild(name: str, params: dict, created: bool) -> HistoryBuffer:
-    self = HistoryBuffer.__new__(HistoryBuffer)
-    self._name, self.rng = name, np.random.default_rng()
+    self = _history_segment.new_handle(HistoryBuffer, name)
     self._set_params(params["n_envs"], params["max_len"], params["action_block"],
                      params["block_keys"])
     if created:
-        rings = keyed.attach(name)
-        try:
-            self._bind_attached(rings)
-        except BaseException:
-            rings.close()
-            raise
+        _history_segment.bind_attached(self, keyed.attach(name))
     return self
