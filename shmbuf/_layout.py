@@ -209,8 +209,13 @@ def normalize_spec(spec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
 
 
 def default_chunk_size(capacity: int) -> int:
-    """512 rows, or fewer so that even a small buffer has at least 16 chunks."""
-    return max(1, min(DEFAULT_CHUNK_SIZE, capacity // 16))
+    """512 rows, or fewer so that a buffer has at least 64 chunks.
+
+    Every live stream holds one partly filled chunk, so S streams leave up to
+    S chunks' worth of rows unfilled: with 64 chunks, 16 env streams still
+    keep at least 75% of the capacity filled.
+    """
+    return max(1, min(DEFAULT_CHUNK_SIZE, capacity // 64))
 
 
 def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,

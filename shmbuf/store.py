@@ -347,7 +347,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         spec: ``{column: (per-step shape, numpy dtype)}``.
         capacity: steps held before the oldest chunk is recycled.
         name: segment name (letters, digits, ``._-``); generated if None.
-        chunk_size: steps per chunk; default ``min(512, capacity // 16)``.
+        chunk_size: steps per chunk; default ``min(512, capacity // 64)``, at least 1.
         max_writers: writer objects that may be open at once.
         done_key: the scalar column whose true value ends an episode, or None.
         seed: seed of the buffer's own random generator.

@@ -226,13 +226,14 @@ def test_plan_properties(case):
 
 
 @pytest.mark.parametrize("capacity, chunk", [
-    (1, 1), (15, 1), (16, 1), (50, 3), (100, 6), (8191, 511), (8192, 512), (10**6, 512),
+    (1, 1), (15, 1), (64, 1), (100, 1), (1000, 15), (10_000, 156), (32_767, 511),
+    (32_768, 512), (10**6, 512),
 ])
 def test_default_chunk_size(capacity, chunk):
     lay = L.plan(SPEC, capacity)
     assert lay.chunk_size == chunk
-    if capacity >= 16:
-        assert lay.n_chunks >= 16
+    if capacity >= 64:
+        assert lay.n_chunks >= 64
 
 
 def test_small_capacity_gets_small_chunks():

@@ -483,6 +483,20 @@ def test_add_batch_envs_are_separate_streams(make_buffer):
     assert 1 not in seen and 16 in seen
 
 
+def test_sixteen_env_streams_keep_most_of_the_default_capacity(make_buffer):
+    # Each stream holds one partly filled chunk; the default chunk size keeps
+    # that below a quarter of the capacity, whatever the phase of the fill.
+    buf = make_buffer(SPEC, 10_000)
+    cursor = EnvCursor(first_id=1, n_envs=16)
+    with buf.writer() as w:
+        write_batches(w, cursor, 700)           # 11,200 rows: wrapped around
+        lowest = buf.capacity
+        for _ in range(buf.chunk_size):         # one full cycle of the open chunks
+            write_batches(w, cursor, 1)
+            lowest = min(lowest, len(buf))
+    assert lowest >= 0.75 * buf.capacity, (lowest, buf.chunk_size)
+
+
 def test_add_batch_done_ends_only_that_env(make_buffer):
     buf = make_buffer(SPEC, 512, chunk_size=4)
     ids = np.arange(1, 17)
