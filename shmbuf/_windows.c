@@ -220,6 +220,10 @@ find(PyObject *self, PyObject *args)
                  || PyObject_GetBuffer(hc_o, &hc, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0
                  || PyObject_GetBuffer(hs_o, &hs, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0))
         goto done;
+    if (starts.len % 8) {
+        PyErr_SetString(PyExc_ValueError, "starts must hold 8-byte integers");
+        goto done;
+    }
     if (check_len(&picked, need, "picked") < 0
         || (full && (check_len(&rows, need * length, "rows") < 0
                      || check_len(&hc, need * max_hops, "hop_chunks") < 0

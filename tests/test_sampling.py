@@ -674,3 +674,23 @@ def test_sampler_survives_a_scribbled_chunk_table(scribbles):
             except (shmbuf.NotEnoughDataError, shmbuf.SampleRetryError):
                 continue
             assert batch["obs"].shape == (length, 16, 3, 8, 8)
+
+
+def test_window_check_rejects_arguments_that_do_not_fit(make_buffer):
+    from shmbuf import _windows
+    buf = make_buffer(SPEC, 64, chunk_size=4)
+    mm, geometry = buf._segment.mmap, buf._finder.geometry
+    picked = np.empty(4, np.int64)
+    rows, hops = np.empty((4, 3), np.int64), np.empty((4, 3), np.int64)
+    args = (0, 3, 0, 4, 3, picked, rows, hops, hops.copy())
+    assert _windows.find(mm, geometry, np.zeros(4, np.int64), *args) == (0, 4)  # empty
+    with pytest.raises(ValueError, match="8-byte"):
+        _windows.find(mm, geometry, np.zeros(4, np.int32)[:3], *args)
+    with pytest.raises(ValueError, match="geometry"):
+        _windows.find(mm, (geometry[0], 10**9) + geometry[2:], np.zeros(4, np.int64), *args)
+    with pytest.raises(ValueError, match="rows"):
+        _windows.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 0, 4, 3, picked,
+                      rows[:2], hops, hops.copy())
+    with pytest.raises(ValueError, match="tail"):
+        _windows.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 3, 4, 3, picked, rows,
+                      hops, hops.copy())
