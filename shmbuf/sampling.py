@@ -25,7 +25,7 @@ from ._errors import NotEnoughDataError, SampleRetryError
 from ._layout import EP_COLUMN
 
 _ROUNDS = 4
-_MAX_ELEMENTS = 1 << 22  # candidates x length per locate() call
+_MAX_ELEMENTS = 1 << 22  # candidates x length: caps the random words drawn per round
 
 
 def max_hops(length: int, chunk_size: int) -> int:
