@@ -216,7 +216,7 @@ def test_too_little_data_raises():
 def test_full_buffer_with_size_below_twice_seq_len_returns():
     # Upstream loops forever here: full, and seq_len < size <= 2 * seq_len - 1.
     with ReplayBuffer(5, OBS, 6, seq_len=3, batch_size=32, seed=3) as rb:
-        steps = write_episodes(rb, 1, [], tail=12)
+        write_episodes(rb, 1, [], tail=12)
         assert rb.full
         starts = check_batch(rb.sample(), set())
         assert {p for _, p in starts} <= {7, 8, 9}   # within the last 5 steps
