@@ -3,7 +3,6 @@
 Encoded steps (``workers.step_for``): every sampled element names its writer,
 episode and position, so each window is checked element by element.
 """
-import multiprocessing as mp
 import os
 import pickle
 
@@ -12,7 +11,7 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.dreamer import ReplayBuffer
-from transition_helpers import JOIN_S, Stream, add_step, run_writers
+from transition_helpers import Stream, add_step, report_from_child, run_attacher, run_writers
 from workers import step_for, verify_window
 
 OBS = (3, 8, 8)
@@ -408,45 +407,26 @@ def test_spawned_writers_and_a_sampling_trainer():
 
 
 def _attach_and_report(name: str, conn):
-    try:
+    def work():
         with ReplayBuffer.attach(name, seed=0) as rb:
             obs, act, rew, term = rb.sample()
-            conn.send(("params", rb.size, rb.obs_shape, rb.seq_len, rb.batch_size,
-                       obs.shape, act[:, :, 3].T.tolist()))
             for pos in range(6):
                 add_step(rb, step_for(9, pos, 0, pos, pos == 5))
-        conn.send(("done",))
-    except BaseException as exc:   # report, so the parent fails with the reason
-        conn.send(("error", repr(exc)))
-    finally:
-        conn.close()
+            return ("params", rb.size, rb.obs_shape, rb.seq_len, rb.batch_size,
+                    obs.shape, act[:, :, 3].T.tolist())
+
+    report_from_child(conn, work)
 
 
 @pytest.mark.slow
 def test_attach_by_name_from_another_process():
-    ctx = mp.get_context("spawn")
     with ReplayBuffer(100, OBS, 6, seq_len=4, batch_size=3, seed=12) as rb:
         write_episodes(rb, 1, [], tail=10)
-        mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_attach_and_report, args=(rb.name, theirs), daemon=True)
-        try:
-            proc.start()
-            theirs.close()
-            assert mine.poll(JOIN_S), "the child never reported"
-            first = mine.recv()
-            assert first[0] == "params", first
-            _, size, obs_shape, seq_len, batch_size, shape, positions = first
-            assert (size, obs_shape, seq_len, batch_size) == (100, OBS, 4, 3)
-            assert shape == (4, 3) + OBS
-            assert all(np.diff(p).tolist() == [1, 1, 1] for p in positions)
-            assert mine.poll(JOIN_S) and mine.recv() == ("done",)
-            proc.join(JOIN_S)
-            assert proc.exitcode == 0
-        finally:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-            mine.close()
+        _, size, obs_shape, seq_len, batch_size, shape, positions = run_attacher(
+            _attach_and_report, rb.name)
+        assert (size, obs_shape, seq_len, batch_size) == (100, OBS, 4, 3)
+        assert shape == (4, 3) + OBS
+        assert all(np.diff(p).tolist() == [1, 1, 1] for p in positions)
         assert os.path.exists(f"/dev/shm/{rb.name}")   # the child never unlinked it
         assert rb.steps == 16 and rb.episodes == 1
         rb.batch_size = 200

@@ -6,7 +6,6 @@ episode and position.  A sequence of ``L`` actions carries ``L + 1`` frames,
 the last being the frame the final action led to: the next step of the same
 stream and episode.
 """
-import multiprocessing as mp
 import os
 import pickle
 
@@ -15,7 +14,7 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer, OnPolicyBufferFullError
-from transition_helpers import JOIN_S, Stream, add_step, run_writers
+from transition_helpers import Stream, add_step, report_from_child, run_attacher, run_writers
 from workers import obs_for, step_for, verify_window
 
 OBS = (3, 8, 8)
@@ -444,45 +443,27 @@ def test_spawned_writers_and_a_sampling_trainer():
 
 
 def _attach_and_report(name: str, conn):
-    try:
+    def work():
         with IRISReplayBuffer.attach(name, seed=0) as rb:
             obs, act, rew, term = rb.sample_sequence()
-            conn.send(("params", rb.size, rb.obs_shape, rb.seq_len, rb.batch_size,
-                       obs.shape, act[:, :, 3].tolist(), len(rb)))
+            report = ("params", rb.size, rb.obs_shape, rb.seq_len, rb.batch_size,
+                      obs.shape, act[:, :, 3].tolist(), len(rb))
             for pos in range(6):
                 add_step(rb, step_for(9, pos, 0, pos, pos == 5))
-        conn.send(("done",))
-    except BaseException as exc:   # report, so the parent fails with the reason
-        conn.send(("error", repr(exc)))
-    finally:
-        conn.close()
+            return report
+
+    report_from_child(conn, work)
 
 
 @pytest.mark.slow
 def test_attach_by_name_from_another_process():
-    ctx = mp.get_context("spawn")
     with IRISReplayBuffer(100, OBS, 6, seq_len=4, batch_size=3, seed=12) as rb:
         stream = Stream(1).add(rb, 10)
-        mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_attach_and_report, args=(rb.name, theirs), daemon=True)
-        try:
-            proc.start()
-            theirs.close()
-            assert mine.poll(JOIN_S), "the child never reported"
-            first = mine.recv()
-            assert first[0] == "params", first
-            _, size, obs_shape, seq_len, batch_size, shape, positions, length = first
-            assert (size, obs_shape, seq_len, batch_size, length) == (100, OBS, 4, 3, 10)
-            assert shape == (3, 5) + OBS
-            assert all(np.diff(p).tolist() == [1, 1, 1] and p[-1] <= 8 for p in positions)
-            assert mine.poll(JOIN_S) and mine.recv() == ("done",)
-            proc.join(JOIN_S)
-            assert proc.exitcode == 0
-        finally:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-            mine.close()
+        _, size, obs_shape, seq_len, batch_size, shape, positions, length = run_attacher(
+            _attach_and_report, rb.name)
+        assert (size, obs_shape, seq_len, batch_size, length) == (100, OBS, 4, 3, 10)
+        assert shape == (3, 5) + OBS
+        assert all(np.diff(p).tolist() == [1, 1, 1] and p[-1] <= 8 for p in positions)
         assert os.path.exists(f"/dev/shm/{rb.name}")   # the child never unlinked it
         assert (len(rb), rb.episodes) == (16, 1)
         rb.batch_size = 200

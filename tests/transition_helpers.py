@@ -112,3 +112,37 @@ def run_writers(rb, lengths: dict, n_steps: int, tail: int, while_writing, while
             p.join(10)
         for conn in conns:
             conn.close()
+
+
+def report_from_child(conn, work) -> None:
+    """Child: send ``work()``'s message, then ("done",); on failure ("error", reason)."""
+    try:
+        conn.send(work())
+        conn.send(("done",))
+    except BaseException as exc:   # report, so the parent fails with the reason
+        conn.send(("error", repr(exc)))
+    finally:
+        conn.close()
+
+
+def run_attacher(target, name: str) -> tuple:
+    """Spawn ``target(name, conn)`` (built on ``report_from_child``) and return its
+    message once it said ("done",) and exited with 0; killed and reaped on failure."""
+    ctx = mp.get_context("spawn")
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(name, theirs), daemon=True)
+    try:
+        proc.start()
+        theirs.close()
+        assert mine.poll(JOIN_S), "the child never reported"
+        first = mine.recv()
+        assert first[0] == "params", first
+        assert mine.poll(JOIN_S) and mine.recv() == ("done",)
+        proc.join(JOIN_S)
+        assert proc.exitcode == 0
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+        mine.close()
+    return first
