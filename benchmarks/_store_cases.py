@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -95,6 +96,8 @@ def bench_sampling(cfg, tracker, ctx) -> list[Row]:
         gather = lambda: _numpy_gather(arrays, rng, 50, 50)   # noqa: E731
         idle, busy, rate = _idle_busy_blocks(cfg, ctx, buf, sample, gather)
         pinned = _idle_busy_blocks(cfg, ctx, buf, sample, gather, pin=True) if can_pin else None
+        del arrays
+        pages = _page_size_control(cfg, buf.arrays["obs"])
     extra = {"live_steps_at_start": live, "writer_steps_per_s_while_adding": rate}
     label = "sample_sequences(50,50)"
     return [
@@ -113,7 +116,46 @@ def bench_sampling(cfg, tracker, ctx) -> list[Row]:
         Row("1e", "1e numpy gather p50: under writes vs idle (ctrl)", "s", busy["np_p50"],
             idle["np_p50"], "numpy gather p50, writers paused (CPU-contention control)",
             None, extra=extra),
-    ] + _pinned_rows(pinned)
+    ] + _pinned_rows(pinned) + [
+        Row("1h", "1h np.take 50x50 obs: shm mapping vs private THP", "s", pages["shm"],
+            pages["huge"], "the same take from a private copy with MADV_HUGEPAGE", None),
+        Row("1i", "1i the same from a private copy, 4 KiB pages", "s", pages["small"],
+            pages["huge"], "the same take from a private copy with MADV_HUGEPAGE", None),
+    ]
+
+
+def _private_copy(src: np.ndarray, huge: bool) -> np.ndarray:
+    """A private anonymous copy of ``src``, asking for transparent huge pages or not."""
+    mm = mmap.mmap(-1, src.nbytes)
+    mm.madvise(mmap.MADV_HUGEPAGE if huge else mmap.MADV_NOHUGEPAGE)
+    out = np.frombuffer(mm, src.dtype, src.size).reshape(src.shape)   # keeps mm alive
+    out[...] = src
+    return out
+
+
+def _page_size_control(cfg, shm_obs: np.ndarray) -> dict:
+    """Mean time of the same kind of 50 x 50 window take of ``obs`` from the shm
+    mapping, a private huge-page copy and a private 4 KiB-page copy, interleaved.
+
+    Shared memory gets 4 KiB pages wherever ``shmem_enabled`` is ``never``
+    (as on the project's VM), while numpy asks for huge pages on large
+    private arrays: this separates the page size from shmbuf's own work.
+    """
+    sources = {"shm": shm_obs, "huge": _private_copy(shm_obs, True),
+               "small": _private_copy(shm_obs, False)}
+    rng = np.random.default_rng(3)
+
+    def take(a):
+        return lambda: np.take(a, rng.integers(0, len(a) - 49, 50)[None, :]
+                               + np.arange(50)[:, None], axis=0)
+
+    out = {k: [] for k in sources}
+    fns = tuple(take(a) for a in sources.values())
+    for _ in range(cfg.reps):
+        lat = _alternating(fns, max(cfg.lat_calls // 4, 10))
+        for key, row in zip(sources, lat):
+            out[key].append(float(row.mean()))
+    return out
 
 
 def _pinned_rows(pinned) -> list[Row]:
