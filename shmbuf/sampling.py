@@ -60,9 +60,8 @@ class WindowFinder:
         self.preempt = None  # tests: called before every shared load (see _windows.c)
 
     def locate(self, starts: np.ndarray, length: int, tail: int, need: int,
-               span: int = 0) -> tuple[Windows, int]:
-        """The first ``need`` valid windows among candidate ``starts``, in order,
-        and how many candidates were examined to find them.
+               span: int = 0) -> Windows:
+        """The first ``need`` valid windows among candidate ``starts``, in order.
 
         ``starts`` are int64 rows, or with ``span > 0`` raw uint64 random
         words that the C pass maps uniformly onto rows ``[0, span)``.  The
@@ -73,9 +72,9 @@ class WindowFinder:
         picked = np.empty(need, np.int64)
         rows = np.empty((need, length), np.int64)
         chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
-        found, examined = _windows.find(self.mm, self.geometry, starts, span, length, tail,
-                                        need, hops, picked, rows, chunks, seqs, self.preempt)
-        return Windows(rows[:found], chunks[:found], seqs[:found]), examined
+        found, _ = _windows.find(self.mm, self.geometry, starts, span, length, tail, need,
+                                 hops, picked, rows, chunks, seqs, self.preempt)
+        return Windows(rows[:found], chunks[:found], seqs[:found])
 
     def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
         """The candidate ``starts`` (int64) that begin a valid window now."""
@@ -108,14 +107,13 @@ class WindowFinder:
             if not span or not need:
                 break
             raw = rng.bit_generator.random_raw(min(m << 2 * round_, cap))
-            windows, _ = self.locate(raw, length, tail, need, span)
-            found.append(windows)
-            need -= len(windows.rows)
+            found.append(self.locate(raw, length, tail, need, span))
+            need -= len(found[-1].rows)
         for _ in range(_ROUNDS):
             if not need:
                 break
             found.append(self.locate(self._valid_starts(rng, need, length, tail, claimed),
-                                     length, tail, need)[0])
+                                     length, tail, need))
             need -= len(found[-1].rows)
         if need:
             raise SampleRetryError(
