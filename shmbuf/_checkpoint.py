@@ -10,35 +10,29 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _atomic as atomic
-from ._layout import CHUNK_FIELDS, EP_COLUMN, NO_SLOT
+from typing import Any
+
+from ._layout import EP_COLUMN
+from ._ring import Ring
 
 FORMAT = "shmbuf-steps-v1"
-_STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8  # table columns
 
 
-def snapshot(buf) -> dict:
+def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
     """``{"format", "spec", "columns": {name: array}, "stream", "episode"}``, oldest first."""
-    ring, lay, views = buf._ring, buf._layout, buf._views
-    table = ring.chunk_table
-    seq = (table[:, 0] >> np.uint64(32)).astype(np.int64)
-    atomic.fence_acquire()
-    counts = table[:, 1].astype(np.int64)
-    order = np.argsort(table[:, _TICKET], kind="stable")
-    order = order[counts[order] > 0]
-    parts = {c.name: [] for c in lay.columns}
+    lay = ring.layout
+    live = ring.live_chunks()
+    parts: dict[str, list] = {c.name: [] for c in lay.columns}
     streams = []
-    for chunk in order:
-        if seq[chunk] & 1:
-            continue
-        rows = slice(int(ring.chunk_base[chunk]), int(ring.chunk_base[chunk] + counts[chunk]))
+    for chunk, seq, count, stream, base in zip(live.chunk, live.seq, live.count, live.stream,
+                                               live.base):
+        rows = slice(int(base), int(base + count))
         copies = {name: views[name][rows].copy() for name in parts}
-        atomic.fence_acquire()
-        if int(table[chunk, 0] >> np.uint64(32)) != seq[chunk]:
+        if not ring.unchanged(chunk[None], seq[None])[0]:
             continue  # recycled while copied
         for name, arr in copies.items():
             parts[name].append(arr)
-        streams.append(np.full(int(counts[chunk]), int(table[chunk, _STREAM]), np.int64))
+        streams.append(np.full(int(count), int(stream), np.int64))
 
     def joined(name):
         col = lay.column(name)
@@ -54,12 +48,12 @@ def snapshot(buf) -> dict:
     }
 
 
-def check_compatible(buf, state: dict) -> None:
+def check_compatible(buf, state: dict[str, Any]) -> None:
     """Raise ValueError naming what differs between ``state`` and ``buf``."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"state: expected a shmbuf checkpoint of format {FORMAT!r}, got {got!r}")
-    mine = {c.name: (list(c.shape), c.dtype.str) for c in buf._layout.user_columns}
+    mine = {k: (list(shape), dtype.str) for k, (shape, dtype) in buf.spec.items()}
     theirs = {k: (list(v[0]), str(v[1])) for k, v in state["spec"].items()}
     if mine != theirs:
         raise ValueError(f"state: checkpoint schema {theirs} does not match the buffer's {mine}")
@@ -74,17 +68,10 @@ def check_compatible(buf, state: dict) -> None:
         raise ValueError(f"state['episode'] has {len(state['episode'])} rows, expected {n}")
 
 
-def clear(buf) -> None:
-    """Empty every chunk that no live writer is filling."""
-    ring = buf._ring
-    for chunk in range(buf._layout.n_chunks):
-        ring.recycle(chunk, NO_SLOT, 0, 0, ring.bump("ticket"))
-
-
-def restore(buf, state: dict) -> None:
-    """Replace the buffer's contents with the checkpoint ``state``."""
+def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
+    """Replace the buffer's contents with the checkpoint ``state``, through writers."""
     check_compatible(buf, state)
-    clear(buf)
+    ring.clear()
     streams = np.asarray(state["stream"]).tolist()
     episodes = np.asarray(state["episode"])
     columns = {k: np.asarray(v) for k, v in state["columns"].items()}

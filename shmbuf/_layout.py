@@ -3,35 +3,43 @@
 Pure math and struct packing; no I/O.  The whole segment, in one table
 (offsets in bytes; Q = u64, q = i64, I = u32, all little-endian):
 
-  off  field         fmt  meaning
-    0  magic         Q    b"SHMBUF\\0\\1" read as little-endian u64
-    8  version       I    LAYOUT_VERSION of the shmbuf that created the segment
-   12  n_columns     I    entries in the column table (user columns + "_ep")
-   16  total_bytes   Q    size of the whole segment
-   24  capacity      Q    rows per column
-   32  chunk_size    Q    rows per chunk; the last chunk may be shorter
-   40  n_chunks      Q    ceil(capacity / chunk_size)
-   48  max_writers   Q    entries in the writer slot table
-   56  done_column   q    table index of the terminal column, -1 if none
-   64  owner_pid     Q    pid of the creating process
-   72  owner_start   Q    its start time in clock ticks after boot (/proc/PID/stat #22)
-   80  created_ns    Q    wall clock at create, time.time_ns()
-   88  kind          Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
-   96  meta_bytes    Q    length of the JSON metadata at 1024
-  104  chunks_at     Q    offset of the chunk table (checks max_writers and the column table)
-  128  ticket        Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
-  192  next_stream   Q    atomic: stream ids handed out so far
-  256  evicted       Q    atomic: committed steps dropped by recycling
-  384  samples       Q    atomic: sample calls served
-  512  serial        Q    atomic: serial numbers handed out by Buffer.next_serial()
- 1024  meta          JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
- 2048  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
-   ..  writer slots  max_writers x 64 B, see SLOT_FIELDS
-   ..  chunk table   n_chunks x 64 B, see CHUNK_FIELDS
-   ..  columns       capacity x row_bytes each, each starting on a page boundary
+  off  field          fmt  meaning
+    0  magic          Q    b"SHMBUF\\0\\1" read as little-endian u64
+    8  version        I    LAYOUT_VERSION of the shmbuf that created the segment
+   12  n_columns      I    entries in the column table (user columns + "_ep")
+   16  total_bytes    Q    size of the whole segment
+   24  capacity       Q    rows per column
+   32  chunk_size     Q    rows per chunk; the last chunk may be shorter
+   40  n_chunks       Q    ceil(capacity / chunk_size)
+   48  max_writers    Q    entries in the writer slot table
+   56  done_column    q    table index of the terminal column, -1 if none
+   64  owner_pid      Q    pid of the creating process
+   72  owner_start    Q    its start time in clock ticks after boot (/proc/PID/stat #22)
+   80  created_ns     Q    wall clock at create, time.time_ns()
+   88  kind           Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
+   96  meta_bytes     Q    length of the JSON metadata at 1024
+  104  chunks_at      Q    offset of the chunk table (checks max_writers and the column table)
+  112  episode_slots  Q    entries in the episode index
+  120  episodes_at    Q    offset of the episode index
+  128  ticket         Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
+  192  next_stream    Q    atomic: stream ids handed out so far
+  256  evicted        Q    atomic: committed steps dropped by recycling
+  384  samples        Q    atomic: sample calls served
+  512  serial         Q    atomic: serial numbers handed out by Buffer.next_serial()
+  640  episode_ticket  Q   atomic: episodes logged so far; entry i lives at i % episode_slots
+ 1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
+ 2048  column table   n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
+   ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
+   ..  chunk table    n_chunks x 64 B, see CHUNK_FIELDS
+   ..  episode index  episode_slots x 64 B, see EPISODE_FIELDS
+   ..  columns        capacity x row_bytes each, each starting on a page boundary
 
-Every atomic counter, slot and chunk entry owns a 64-byte cache line, so that
-writers touching different entries never share a line.
+Every atomic counter, slot, chunk and episode entry owns a 64-byte cache
+line, so that writers touching different entries never share a line.  The
+magic is written last, with release order, by ``_ring.publish_header``: an
+attacher that sees it sees the whole header.  Only ``_ring`` (and
+``keyed``'s own protocol) load or store the atomic words; everything else
+calls them.
 """
 from __future__ import annotations
 
@@ -47,7 +55,7 @@ from ._args import check_int
 from ._errors import CorruptSegmentError, LayoutVersionError
 
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 KIND_STORE, KIND_KEYED = 0, 1
 # What each kind holds, and what attaches to it: for error messages.
 KINDS = {KIND_STORE: ("a step store", "shmbuf.attach"),
@@ -79,8 +87,11 @@ HEADER_FIELDS = {
     "kind": (88, "<Q"),
     "meta_bytes": (96, "<Q"),
     "chunks_at": (104, "<Q"),
+    "episode_slots": (112, "<Q"),
+    "episodes_at": (120, "<Q"),
 }
-COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512}
+COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512,
+            "episode_ticket": 640}
 META = 1024
 MAX_META = 1024
 COLUMN_TABLE = 2048
@@ -100,6 +111,17 @@ CHUNK_ENTRY = 64
 CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40}
 NO_SLOT = 0x7FFF
 SEALED = 1 << 31
+
+# Episode index entry, one per finished episode, written by the writer that
+# ended it (see _ring.EpisodeLog): seq is 2i+1 while entry i is written and
+# 2i+2 once published; the episode starts at row ``offset`` of ``chunk``
+# (whose state seq was ``chunk_seq``) and runs ``length`` steps along its
+# stream; ``ep`` is its number in the stream's ``_ep`` column; flags bit 0 is
+# set when it ended on a terminal step (clear: cut by end_episode).
+EPISODE_ENTRY = 64
+EPISODE_FIELDS = {"seq": 0, "stream": 8, "chunk": 16, "chunk_seq": 24, "offset": 32,
+                  "length": 40, "ep": 48, "flags": 56}
+TERMINAL = 1
 
 
 def pack_chunk_state(seq: int, sealed: bool, slot: int, lease: int) -> int:
@@ -134,6 +156,8 @@ class Layout:
     slots_offset: int
     chunks_offset: int
     total_bytes: int
+    episode_slots: int = 0
+    episodes_offset: int = 0
 
     def column(self, name: str) -> Column:
         for col in self.columns:
@@ -147,6 +171,9 @@ class Layout:
 
     def chunk_field(self, chunk: int, field: str) -> int:
         return self.chunks_offset + chunk * CHUNK_ENTRY + CHUNK_FIELDS[field]
+
+    def episode_field(self, entry: int, field: str) -> int:
+        return self.episodes_offset + entry * EPISODE_ENTRY + EPISODE_FIELDS[field]
 
     def slot_field(self, slot: int, field: str) -> int:
         return self.slots_offset + slot * SLOT_ENTRY + SLOT_FIELDS[field]
@@ -218,8 +245,16 @@ def default_chunk_size(capacity: int) -> int:
     return max(1, min(DEFAULT_CHUNK_SIZE, capacity // 64))
 
 
+MAX_DEFAULT_EPISODE_SLOTS = 1 << 22  # 256 MiB of index
+
+
+def default_episode_slots(capacity: int) -> int:
+    """Room to index every episode of at least 8 steps (1024 to 4M entries, at most capacity)."""
+    return min(capacity, MAX_DEFAULT_EPISODE_SLOTS, max(1024, capacity // 8))
+
+
 def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
-         done_key="done") -> Layout:
+         done_key="done", episode_slots=None) -> Layout:
     """Lay out a segment for ``spec``; raises on any bad argument."""
     columns_in = normalize_spec(spec)
     capacity = check_int("capacity", capacity, 1, 1 << 40)
@@ -235,10 +270,14 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         if columns_in[done_key][0] != ():
             raise ValueError(f"done_key {done_key!r} must name a per-step scalar column, "
                              f"but its shape is {columns_in[done_key][0]}")
+    if episode_slots is None:
+        episode_slots = default_episode_slots(capacity)
+    episode_slots = check_int("episode_slots", episode_slots, 1, 1 << 32)
     n_chunks = math.ceil(capacity / chunk_size)
     slots_offset = COLUMN_TABLE + (len(columns_in) + 1) * COLUMN_ENTRY
     chunks_offset = slots_offset + max_writers * SLOT_ENTRY
-    cursor = _align(chunks_offset + n_chunks * CHUNK_ENTRY, PAGE)
+    episodes_offset = chunks_offset + n_chunks * CHUNK_ENTRY
+    cursor = _align(episodes_offset + episode_slots * EPISODE_ENTRY, PAGE)
     columns = []
     entries = list(columns_in.items()) + [(EP_COLUMN, ((), np.dtype("<i8")))]
     for name, (shape, dtype) in entries:
@@ -251,7 +290,7 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         cursor = _align(cursor + row_bytes * capacity, PAGE)
     done = [c.name for c in columns].index(done_key) if done_key is not None else -1
     return Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
-                  slots_offset, chunks_offset, cursor)
+                  slots_offset, chunks_offset, cursor, episode_slots, episodes_offset)
 
 
 def encode_meta(meta) -> bytes:
@@ -277,6 +316,7 @@ def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: 
         "max_writers": layout.max_writers, "done_column": layout.done_column,
         "owner_pid": owner_pid, "owner_start": owner_start, "created_ns": created_ns,
         "kind": kind, "meta_bytes": len(meta), "chunks_at": layout.chunks_offset,
+        "episode_slots": layout.episode_slots, "episodes_at": layout.episodes_offset,
     }
     for field, (off, fmt) in HEADER_FIELDS.items():
         struct.pack_into(fmt, out, off, values[field])
@@ -339,15 +379,16 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         raise bad(f"done column index {done} is out of range")
     try:
         layout = plan(user, head["capacity"], chunk_size=head["chunk_size"],
-                      max_writers=head["max_writers"], done_key=done_key)
+                      max_writers=head["max_writers"], done_key=done_key,
+                      episode_slots=head["episode_slots"])
     except (TypeError, ValueError) as exc:
         raise bad(f"its schema or sizes are invalid ({exc})") from None
     stored = [(c.offset, c.row_bytes) for c in layout.columns]
     if stored != [v[2:] for v in spec.values()]:
         raise bad("column offsets do not match the layout they describe")
-    if (layout.n_chunks, layout.total_bytes, layout.chunks_offset) != (
-            head["n_chunks"], head["total_bytes"], head["chunks_at"]):
-        raise bad("chunk count or total size does not match the layout")
+    if (layout.n_chunks, layout.total_bytes, layout.chunks_offset, layout.episodes_offset) != (
+            head["n_chunks"], head["total_bytes"], head["chunks_at"], head["episodes_at"]):
+        raise bad("chunk count, episode index or total size does not match the layout")
     if head["kind"] not in (0, 1) or head["meta_bytes"] > MAX_META:
         raise bad(f"kind {head['kind']} or metadata length {head['meta_bytes']} is out of range")
     try:

@@ -1,54 +1,147 @@
-"""The index protocol: writer slots, chunk claims, links, seals, counters.
+"""The index protocol of a step store: the one owner of its shared words.
 
-Everything here is lock-free.  Writers claim a slot (one per writer object)
+Every load and store of a header word of a step store is in this file:
+the magic, the counters, the writer slots, the chunk table (claims, links,
+seals, counts) and the episode index.  Writers, samplers, checkpoints, the
+CLI and the facades call the small API below; C code (``_windows.c``) gets
+its geometry from ``Ring.geometry``.  docs/design.md states the invariants;
+the byte layout is in _layout.py.
+
+Everything is lock-free.  A writer claims a slot (one per writer object)
 and then chunks, each with a compare-and-swap on one 64-bit word; a process
 that dies at any instant leaves words that the next claimant recognises as
-dead (pid + start time) and takes over.  docs/design.md states the
-invariants; the byte layout is in _layout.py.
+dead (pid + start time) and takes over.
+
+Where a step becomes visible: ``Streams.publish`` stores the chunk's new row
+count with release order after every column of the row was written, so a
+reader that sees the count sees the row.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
 
 from . import _atomic as atomic
 from ._errors import NoFreeChunkError, NoFreeWriterSlotError
-from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, NO_SLOT, SLOT_ENTRY, SLOT_FIELDS,
-                      Layout, pack_chunk_state, unpack_chunk_state)
+from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
+                      EPISODE_FIELDS, MAGIC, NO_SLOT, SLOT_ENTRY, SLOT_FIELDS, TERMINAL, Layout,
+                      pack_chunk_state, unpack_chunk_state)
 from ._procs import is_alive, my_start_time
 
 _U32 = 0xFFFFFFFF
+_STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
+_STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
+# Fields of an episode entry after its seq, in the order a writer stores them.
+_EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flags")
+
+
+# -- the header ------------------------------------------------------------------
+def publish_header(mm, header: bytes) -> None:
+    """Copy ``header`` to offset 0 with the magic word stored last, with release order.
+
+    An attacher that loads the magic with acquire order sees every other
+    byte of the header, so a creator's name may exist before its header does.
+    """
+    mm[8:len(header)] = header[8:]
+    atomic.store_release(mm, 0, int.from_bytes(header[:8], "little"))
+
+
+def header_published(mm) -> bool:
+    """True once ``publish_header`` has stored the magic."""
+    return atomic.load_acquire(mm, 0) == MAGIC
+
+
+@dataclasses.dataclass(frozen=True)
+class Counts:
+    """Counters read in the one order that keeps them consistent (see ``Ring.counts``)."""
+
+    evicted: int
+    live: int
+    written: int
+    episodes: int
+    chunks_in_use: int
+    streams: int
+    samples: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunks:
+    """Chunks with committed rows, oldest claim first, as they were when read."""
+
+    chunk: np.ndarray   # int64 chunk indices
+    seq: np.ndarray     # int64 state seq (even) at the read
+    count: np.ndarray   # int64 committed rows
+    stream: np.ndarray  # int64 stream that filled it
+    base: np.ndarray    # int64 first physical row
+
+
+@dataclasses.dataclass(frozen=True)
+class Episodes:
+    """Finished episodes from the episode index, in the order they ended.
+
+    Each array has one entry per episode.  ``index`` counts episodes ended
+    in the buffer's life (0, 1, 2, ...); ``chunk``/``seq``/``offset`` say
+    where the first step was written.
+    """
+
+    index: np.ndarray     # int64
+    length: np.ndarray    # int64 steps
+    terminal: np.ndarray  # bool: ended on a terminal step (else cut by end_episode)
+    stream: np.ndarray    # int64
+    ep: np.ndarray        # int64 episode number within its stream (the _ep column)
+    chunk: np.ndarray     # int64
+    seq: np.ndarray       # int64
+    offset: np.ndarray    # int64
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def take(self, keep) -> "Episodes":
+        return Episodes(*(getattr(self, f.name)[keep] for f in dataclasses.fields(self)))
 
 
 class Ring:
-    """The header of one mapped segment, seen through its atomic words."""
+    """The header of one mapped step store, seen through its atomic words."""
 
     def __init__(self, mm, layout: Layout):
         self.mm = mm
         self.layout = layout
         n, k = layout.n_chunks, layout.chunk_size
-        table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
-                              offset=layout.chunks_offset).reshape(n, CHUNK_ENTRY // 8)
-        self.chunk_table = table
-        self.count = table[:, CHUNK_FIELDS["count"] // 8]
+        self.chunk_table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
+                                         offset=layout.chunks_offset).reshape(n, -1)
+        self.count = self.chunk_table[:, _COUNT]
         self.chunk_base = np.arange(n, dtype=np.int64) * k
         self.chunk_rows = np.minimum(k, layout.capacity - self.chunk_base)
-        off = layout.chunks_offset + np.arange(n, dtype=np.int64) * CHUNK_ENTRY
-        self.state_off, self.count_off = off, off + CHUNK_FIELDS["count"]
+        self.count_off = layout.chunks_offset + np.arange(n, dtype=np.int64) * CHUNK_ENTRY \
+            + CHUNK_FIELDS["count"]
         self.slot_table = np.frombuffer(mm, dtype="<u8", count=layout.max_writers * SLOT_ENTRY // 8,
                                         offset=layout.slots_offset).reshape(-1, SLOT_ENTRY // 8)
         self.slot_steps = self.slot_table[:, SLOT_FIELDS["steps"] // 8]
+        e = np.arange(layout.episode_slots, dtype=np.int64) * EPISODE_ENTRY + layout.episodes_offset
+        self._episode_off = {f: e + off for f, off in EPISODE_FIELDS.items()}
+        # The geometry _windows.c works with: sizes, then the chunk fields it
+        # reads (its FIELDS), all taken from _layout.
+        self.geometry = (layout.chunks_offset, n, k, layout.capacity,
+                         layout.column(EP_COLUMN).offset, CHUNK_ENTRY,
+                         CHUNK_FIELDS["state"], CHUNK_FIELDS["count"], CHUNK_FIELDS["next"],
+                         CHUNK_FIELDS["next_seq"])
 
-    # -- counters -------------------------------------------------------
+    def init_chunks(self) -> None:
+        """A new segment: every chunk free (sealed, ownerless, empty)."""
+        self.chunk_table[:, _STATE] = pack_chunk_state(0, True, NO_SLOT, 0)
+        atomic.fence_seq_cst()
+
+    # -- counters -------------------------------------------------------------
     def counter(self, name: str) -> int:
         return atomic.load_acquire(self.mm, COUNTERS[name])
 
     def bump(self, name: str, delta: int = 1) -> int:
+        """Add ``delta`` to a counter; return its value before."""
         return atomic.fetch_add(self.mm, COUNTERS[name], delta)
 
-    # The sums are relaxed loads; the fence orders them before any later
-    # load, which Buffer.stats relies on for a consistent snapshot.
+    # The sums are relaxed loads; the fence orders them before any later load.
     def live_steps(self) -> int:
         total = int(self.count.sum())
         atomic.fence_acquire()
@@ -59,12 +152,29 @@ class Ring:
         atomic.fence_acquire()
         return total
 
-    def episodes_ended(self) -> int:
-        return int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())
+    def counts(self) -> Counts:
+        """Every counter, in the one safe order.
 
-    # -- writer slots ---------------------------------------------------
-    def claim_slot(self) -> tuple[int, int]:
-        """Take a free slot, or the slot of a dead process; return (slot, lease)."""
+        A step is counted as written before it is published, and published
+        before it can be evicted; the written and evicted counts only grow.
+        Reading evicted, then live, then written keeps ``evicted <= written``
+        and ``live <= written`` however long the reader is descheduled.
+        """
+        evicted = self.counter("evicted")
+        live = self.live_steps()
+        written = self.steps_written()
+        episodes = int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())
+        return Counts(evicted, live, written, episodes, int(np.count_nonzero(self.count)),
+                      self.counter("next_stream"), self.counter("samples"))
+
+    def claimed_rows(self) -> int:
+        """Rows of the chunks claimed so far: every committed row lies below it."""
+        claimed = min(self.counter("ticket"), self.layout.n_chunks)
+        return int(self.chunk_base[claimed - 1] + self.chunk_rows[claimed - 1]) if claimed else 0
+
+    # -- writer slots -----------------------------------------------------------
+    def claim_slot(self) -> "Slot":
+        """Take a free slot, or the slot of a dead process."""
         pid, start = os.getpid(), my_start_time()
         for steal in (False, True):
             for slot in range(self.layout.max_writers):
@@ -77,18 +187,10 @@ class Ring:
                 if atomic.compare_exchange(self.mm, off, state, (lease << 32) | pid):
                     atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"),
                                          (start << 16) | (lease & 0xFFFF))
-                    return slot, lease
+                    return Slot(self, slot, lease)
         raise NoFreeWriterSlotError(
             f"all {self.layout.max_writers} writer slots are held by live processes; "
             "close unused writers or create the buffer with a larger max_writers")
-
-    def release_slot(self, slot: int, lease: int) -> None:
-        off = self.layout.slot_field(slot, "state")
-        state = atomic.load_acquire(self.mm, off)
-        if state >> 32 != lease or not state & _U32:
-            return  # taken over already: someone judged us dead
-        atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"), 0)
-        atomic.compare_exchange(self.mm, off, state, lease << 32)
 
     def live_writers(self) -> list[tuple[int, int, int]]:
         """(slot, pid, steps counted by the slot) of every slot held by a live process."""
@@ -110,7 +212,7 @@ class Ring:
             return False
         return is_alive(pid, start)
 
-    # -- chunks -----------------------------------------------------------
+    # -- chunks -------------------------------------------------------------------
     def claim_chunk(self, slot: int, lease: int, stream: int) -> tuple[int, int]:
         """Recycle the oldest chunk no live writer is filling; return (chunk, seq).
 
@@ -123,10 +225,11 @@ class Ring:
             seq = self.recycle(ticket % n, slot, lease, stream, ticket)
             if seq is not None:
                 return ticket % n, seq
+        hint = ("create the buffer with a smaller chunk_size or a larger capacity"
+                if self.layout.chunk_size > 1 else "create the buffer with a larger capacity")
         raise NoFreeChunkError(
             f"all {n} chunks of {self.layout.chunk_size} steps are held by live writer "
-            "streams; create the buffer with a smaller chunk_size or a larger capacity, "
-            "or use fewer writer streams")
+            f"streams; {hint}, or use fewer writer streams")
 
     def recycle(self, chunk: int, slot: int, lease: int, stream: int, ticket: int) -> int | None:
         """Empty ``chunk`` for ``slot`` unless a live writer holds it; return its new seq.
@@ -173,5 +276,240 @@ class Ring:
                                 pack_chunk_state(seq, False, slot, lease),
                                 pack_chunk_state(seq, True, slot, lease))
 
-    def chunks_in_use(self) -> int:
-        return int(np.count_nonzero(self.count))
+    def clear(self) -> None:
+        """Empty every chunk that no live writer is filling (restore's first step)."""
+        for chunk in range(self.layout.n_chunks):
+            self.recycle(chunk, NO_SLOT, 0, 0, self.bump("ticket"))
+
+    # -- reading the chunk table ----------------------------------------------------
+    def committed_counts(self, claimed: int | None = None) -> np.ndarray:
+        """Committed rows per chunk (of the first ``claimed``), clipped to the chunk size.
+
+        Clipped: a corrupt count must never make a reader index past a chunk.
+        """
+        n = self.layout.n_chunks if claimed is None else claimed
+        counts = np.clip(self.count[:n].view(np.int64), 0, self.chunk_rows[:n])
+        atomic.fence_acquire()
+        return counts
+
+    def committed_rows(self, claimed: int | None = None) -> np.ndarray:
+        """Every committed physical row, chunk by chunk (int64)."""
+        counts = self.committed_counts(claimed)
+        starts = np.repeat(self.chunk_base[:len(counts)], counts)
+        starts += np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)
+        return starts
+
+    def live_chunks(self) -> Chunks:
+        """Chunks with committed rows and a stable seq, oldest claim first.
+
+        The seqs are loaded before the counts (acquire), so a caller that
+        copies the rows and then finds ``unchanged`` true holds whole steps.
+        """
+        table = self.chunk_table
+        seq = (table[:, _STATE] >> np.uint64(32)).astype(np.int64)
+        atomic.fence_acquire()
+        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows)
+        order = np.argsort(table[:, _TICKET], kind="stable")
+        order = order[(counts[order] > 0) & (seq[order] & 1 == 0)]
+        return Chunks(order.astype(np.int64), seq[order], counts[order],
+                      table[order, _STREAM].astype(np.int64), self.chunk_base[order])
+
+    def unchanged(self, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+        """After reading rows: True where each (chunk, seq) still holds (acquire first)."""
+        atomic.fence_acquire()
+        now = (self.chunk_table[chunks, _STATE] >> np.uint64(32)).astype(np.int64)
+        return now == seqs
+
+    # -- the episode index ---------------------------------------------------------
+    def log_episode(self, stream: int, chunk: int, chunk_seq: int, offset: int, length: int,
+                    ep: int, terminal: bool) -> None:
+        """Record a finished episode as entry ``i`` (the next ticket) of the index.
+
+        The entry's seq goes to 2i+1 by CAS, then the body is stored and the
+        seq set to 2i+2 by CAS: readers accept an entry only when its seq is
+        2i+2 before and after they read the body.  An entry a later lap has
+        already claimed is left alone (this episode is too old to index).
+        """
+        i = self.bump("episode_ticket")
+        entry = i % self.layout.episode_slots
+        seq_off = int(self._episode_off["seq"][entry])
+        old = atomic.load_acquire(self.mm, seq_off)
+        if old >= 2 * i + 1 or not atomic.compare_exchange(self.mm, seq_off, old, 2 * i + 1):
+            return
+        offsets = np.array([self._episode_off[f][entry] for f in _EPISODE_BODY], np.int64)
+        body = np.array([stream, chunk, chunk_seq, offset, length, ep,
+                         TERMINAL if terminal else 0], np.int64)
+        atomic.store_many(self.mm, offsets, body)
+        atomic.compare_exchange(self.mm, seq_off, 2 * i + 1, 2 * i + 2)
+
+    def episodes_logged(self) -> int:
+        """Episodes ended so far (entries ever logged)."""
+        return self.counter("episode_ticket")
+
+    def read_episodes(self, indices: np.ndarray) -> Episodes:
+        """The published entries among episode ``indices`` whose first chunk is intact."""
+        indices = np.asarray(indices, np.int64)
+        entries = indices % self.layout.episode_slots
+        seq_off = self._episode_off["seq"][entries]
+        before = self._load(seq_off)
+        body = {f: self._load(self._episode_off[f][entries]) for f in _EPISODE_BODY}
+        after = self._load(seq_off)
+        want = 2 * indices + 2
+        ok = (before == want) & (after == want)
+        chunk = body["chunk"]
+        ok &= (chunk >= 0) & (chunk < self.layout.n_chunks) & (body["length"] > 0)
+        chunk = np.where(ok, chunk, 0)
+        ok &= ((self.chunk_table[chunk, _STATE] >> np.uint64(32)).astype(np.int64)
+               == body["chunk_seq"])
+        return Episodes(indices, body["length"], (body["flags"] & TERMINAL) != 0,
+                        body["stream"], body["ep"], chunk, body["chunk_seq"],
+                        body["offset"]).take(ok)
+
+    def _load(self, offsets: np.ndarray) -> np.ndarray:
+        out = np.empty(len(offsets), np.int64)
+        atomic.load_many(self.mm, np.ascontiguousarray(offsets, np.int64), out)
+        return out
+
+
+class Slot:
+    """A writer's claim on one slot: its lease and its cumulative counters."""
+
+    def __init__(self, ring: Ring, slot: int, lease: int):
+        self.ring, self.slot, self.lease = ring, slot, lease
+        lay, mm = ring.layout, ring.mm
+        self._steps_off = lay.slot_field(slot, "steps")
+        self._episodes_off = lay.slot_field(slot, "episodes")
+        self._streams_off = lay.slot_field(slot, "streams")
+        # The slot's counters are cumulative over its holders: continue them.
+        self._steps = atomic.load_acquire(mm, self._steps_off)
+        self._episodes = atomic.load_acquire(mm, self._episodes_off)
+
+    def open_streams(self, n: int, on_claim=None) -> "Streams":
+        """``n`` new streams, with buffer-wide ids, written through this slot.
+
+        ``on_claim(chunk)`` runs after each chunk claim, before its first row
+        is written (the writer maps the chunk's pages there).
+        """
+        first = self.ring.bump("next_stream", n)
+        atomic.fetch_add(self.ring.mm, self._streams_off, n)
+        return Streams(self, np.arange(first, first + n, dtype=np.int64), on_claim)
+
+    def count_steps(self, n: int) -> None:
+        self._steps += n
+        atomic.store_release(self.ring.mm, self._steps_off, self._steps)
+
+    def count_episodes(self, n: int) -> None:
+        self._episodes += n
+        atomic.store_release(self.ring.mm, self._episodes_off, self._episodes)
+
+    def release(self, streams=()) -> None:
+        """Seal the chunks of ``streams`` and free the slot (unless taken over)."""
+        for s in streams:
+            for i in np.flatnonzero(s.chunk >= 0):
+                self.ring.seal(int(s.chunk[i]), int(s.seq[i]), self.slot, self.lease)
+        mm, off = self.ring.mm, self.ring.layout.slot_field(self.slot, "state")
+        state = atomic.load_acquire(mm, off)
+        if state >> 32 != self.lease or not state & _U32:
+            return  # taken over already: someone judged us dead
+        atomic.store_release(mm, self.ring.layout.slot_field(self.slot, "start_time"), 0)
+        atomic.compare_exchange(mm, off, state, self.lease << 32)
+
+
+class Streams:
+    """Cursors of one writer's streams, as arrays indexed by stream.
+
+    The writer copies a step's columns into row ``base[i] + fill[i]`` (after
+    ``ensure_room``), then calls ``publish``; nothing else moves a cursor.
+    Each stream also remembers where its current episode began, so that
+    ending it logs the episode in the index.
+    """
+
+    def __init__(self, slot: Slot, ids: np.ndarray, on_claim=None):
+        n = len(ids)
+        self.slot, self.ring, self.id, self._on_claim = slot, slot.ring, ids, on_claim
+        self.chunk = np.full(n, -1, np.int64)
+        self.seq = np.zeros(n, np.int64)
+        self.base = np.zeros(n, np.int64)     # first row of the chunk
+        self.fill = np.zeros(n, np.int64)     # rows written into the chunk
+        self.rows = np.zeros(n, np.int64)     # rows the chunk can hold
+        self.ep = np.zeros(n, np.int64)       # episode number within the stream
+        self.count_off = np.zeros(n, np.int64)
+        self.left = 0                         # publish_all calls before some chunk is full
+        self.pos0 = np.zeros(n, np.int64)     # stream steps before the current chunk
+        self.ep_pos = np.zeros(n, np.int64)   # stream step where the episode began
+        self.ep_at = np.zeros((n, 3), np.int64)  # its (chunk, seq, offset)
+        self.ep_next_chunk = np.ones(n, np.bool_)  # it begins at the next chunk's row 0
+
+    def __len__(self) -> int:
+        return len(self.id)
+
+    def advance(self, i: int) -> None:
+        """Give stream ``i`` a fresh chunk, linked after its current one."""
+        ring, slot = self.ring, self.slot
+        chunk, seq = ring.claim_chunk(slot.slot, slot.lease, int(self.id[i]))
+        old = int(self.chunk[i])
+        if old >= 0:
+            ring.link(old, chunk, seq)
+            ring.seal(old, int(self.seq[i]), slot.slot, slot.lease)
+            self.pos0[i] += self.fill[i]
+        self.chunk[i], self.seq[i], self.fill[i] = chunk, seq, 0
+        self.base[i] = ring.chunk_base[chunk]
+        self.rows[i] = ring.chunk_rows[chunk]
+        self.count_off[i] = ring.count_off[chunk]
+        if self._on_claim is not None:
+            self._on_claim(chunk)
+        if self.ep_next_chunk[i]:
+            self.ep_at[i] = chunk, seq, 0
+            self.ep_next_chunk[i] = False
+
+    def row(self, i: int) -> int:
+        """The row stream ``i``'s next step goes to (claims a chunk when full)."""
+        if self.fill[i] == self.rows[i]:
+            self.advance(i)
+        return int(self.base[i] + self.fill[i])
+
+    def publish(self, i: int, terminal: bool) -> None:
+        """Make stream ``i``'s written row visible; a terminal one ends the episode."""
+        fill = int(self.fill[i]) + 1
+        self.fill[i] = fill
+        # Counted before it is published: a writer killed in between leaves
+        # steps_written one ahead, never behind what readers can see.
+        self.slot.count_steps(1)
+        atomic.store_release(self.ring.mm, int(self.count_off[i]), fill)
+        if terminal:
+            self.end(i, True)
+
+    def rows_all(self) -> np.ndarray:
+        """The rows every stream's next step goes to (one call per vectorised step)."""
+        if not self.left:   # every stream gains a row per call: chunks fill in lockstep
+            for i in np.flatnonzero(self.fill == self.rows):
+                self.advance(int(i))
+            self.left = int((self.rows - self.fill).min())
+        return self.base + self.fill
+
+    def publish_all(self, terminal: np.ndarray | None) -> None:
+        """Make every stream's written row visible; ``terminal`` rows end episodes."""
+        self.fill += 1
+        self.left -= 1
+        self.slot.count_steps(len(self.id))
+        atomic.store_many(self.ring.mm, self.count_off, self.fill)
+        if terminal is not None:
+            for i in np.flatnonzero(terminal):
+                self.end(int(i), True)
+
+    def end(self, i: int, terminal: bool) -> None:
+        """End stream ``i``'s episode: log it, and start the next one after it."""
+        pos = int(self.pos0[i] + self.fill[i])
+        length = pos - int(self.ep_pos[i])
+        if length > 0:
+            chunk, seq, offset = (int(v) for v in self.ep_at[i])
+            self.ring.log_episode(int(self.id[i]), chunk, seq, offset, length,
+                                  int(self.ep[i]), terminal)
+        if terminal:
+            self.slot.count_episodes(1)
+        self.ep[i] += 1
+        self.ep_pos[i] = pos
+        if self.chunk[i] >= 0 and self.fill[i] < self.rows[i]:
+            self.ep_at[i] = self.chunk[i], self.seq[i], self.fill[i]
+        else:
+            self.ep_next_chunk[i] = True

@@ -13,15 +13,17 @@ import mmap
 import os
 import re
 import secrets
-import weakref
 
 import numpy as np
 import posix_ipc
 
-from ._layout import KINDS, decode_header
+from . import _ring
+from ._layout import COLUMN_TABLE, KINDS, decode_header
+from ._wait import poll
 from ._errors import (BufferClosedError, CorruptSegmentError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
 
+ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
 PREFIX = "shmbuf-"
 SHM_DIR = "/dev/shm"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -90,25 +92,12 @@ class Segment:
     @classmethod
     def create(cls, name: str, size: int, *, populate: bool = True) -> "Segment":
         """Create ``name`` with O_CREAT|O_EXCL, mode 0600, all ``size`` bytes reserved."""
-        validate_name(name)
+        reservation = Reservation(name)
         try:
-            shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
-        except posix_ipc.Error as exc:
-            raise _translate(exc, name, "create") from None
-        try:
-            # Reserve every page now: a /dev/shm that is too small fails here,
-            # not with SIGBUS on some later write.
-            os.posix_fallocate(shm.fd, 0, size)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            mm = mmap.mmap(shm.fd, size, flags=flags)
-        except BaseException as exc:
-            _unlink_quietly(name)
-            if not isinstance(exc, Exception):
-                raise
-            raise _translate(exc, name, "create") from exc
-        finally:
-            shm.close_fd()
-        return cls._wrap(name, mm, size, owner=True)
+            return reservation.allocate(size, populate=populate)
+        except BaseException:
+            reservation.unlink()
+            raise
 
     @classmethod
     def attach(cls, name: str) -> "Segment":
@@ -133,19 +122,56 @@ class Segment:
         seg.name, seg.mmap, seg.size, seg.owner = name, mm, size, owner
         return seg
 
-    def header(self, kind: int | None = None):
+    def publish(self, header: bytes) -> None:
+        """Write ``header`` at offset 0, its magic last: attachers wait for it."""
+        _ring.publish_header(self.mmap, header)
+
+    def published(self) -> bool:
+        """True once the creator has written a whole header (its magic is there)."""
+        return (self.mmap is not None and self.size >= COLUMN_TABLE
+                and _ring.header_published(self.mmap))
+
+    def header(self, kind: int | None = None, timeout: float = ATTACH_TIMEOUT):
         """Decode and check the header: ``(layout, owner fields)``.
+
+        A creator publishes the header after its name exists, so this waits
+        up to ``timeout`` seconds for the magic.  A segment made before the
+        wait began that never gets one is not a shmbuf buffer.
 
         Raises CorruptSegmentError (naming the segment) if it is not a shmbuf
         buffer, or not of ``kind`` when one is given.
         """
-        layout, owner = decode_header(b"" if self.mmap is None else self.mmap, self.size,
-                                      self.name)
+        if not self.published():
+            self._wait_published(timeout)
+        layout, owner = decode_header(self.mmap, self.size, self.name)
         if kind is not None and owner["kind"] != kind:
             holds, attach_with = KINDS[owner["kind"]]
             raise CorruptSegmentError(f"segment {self.name!r} holds {holds}, not "
                                       f"{KINDS[kind][0]}; attach it with {attach_with}")
         return layout, owner
+
+    def _wait_published(self, timeout: float) -> None:
+        if self.mmap is None or self.size < COLUMN_TABLE:
+            # Created, not sized yet: map it again once the creator has.
+            self._remap(timeout)
+        poll(lambda: True if self.published() else None, timeout,
+             lambda: CorruptSegmentError(
+                 f"segment {self.name!r} has no complete shmbuf header after {timeout} s; "
+                 "is it a shmbuf buffer? ('python -m shmbuf ls' flags foreign entries)"))
+
+    def _remap(self, timeout: float) -> None:
+        def sized():
+            again = Segment.attach(self.name)
+            if again.mmap is not None and again.size >= COLUMN_TABLE:
+                return again
+            again.close()
+            return None
+
+        again = poll(sized, timeout, lambda: CorruptSegmentError(
+            f"segment {self.name!r} is {self.size} bytes, too small for a shmbuf header, "
+            f"after {timeout} s; is it a shmbuf buffer?"))
+        self.close()
+        self.mmap, self.size = again.mmap, again.size
 
     def close(self) -> None:
         """Unmap, unless numpy views still export the mapping (then they keep it alive)."""
@@ -184,16 +210,63 @@ def list_segments() -> list[str]:
         return []
 
 
-def finalize_segment(segment: "Segment", unlink_in_pid: int | None) -> None:
-    """Finalizer of a buffer object: close; unlink too if this is the owner's pid."""
-    # Owners unlink only in the process that created the buffer: a forked
-    # child that inherits the object must never destroy the trainer's data.
-    if unlink_in_pid == os.getpid():
+class Reservation:
+    """A segment name taken with O_CREAT|O_EXCL before its size is known.
+
+    HistoryBuffer and keyed rings learn their schema at the first append;
+    holding the name from construction makes a taken name fail there, with
+    the kernel's answer, and ``allocate`` later sizes the same object (through
+    the descriptor kept open, so nobody can swap the name in between).
+    Attachers that come meanwhile see a 0-byte segment and wait in
+    ``Segment.header``.
+    """
+
+    _shm = None
+
+    def __init__(self, name: str):
+        validate_name(name)
         try:
-            segment.unlink()
-        except FileNotFoundError:
-            pass
-    segment.close()
+            self._shm = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, mode=0o600)
+        except posix_ipc.Error as exc:
+            raise _translate(exc, name, "create") from None
+        self.name = name
+
+    def allocate(self, size: int, *, populate: bool = True) -> Segment:
+        """Size the segment to ``size`` bytes, every page reserved now, and map it (owner).
+
+        On failure the name stays reserved, at 0 bytes.  Raises
+        SharedMemoryFullError when /dev/shm is too small.
+        """
+        if self._shm is None:
+            raise BufferClosedError(f"reservation of segment {self.name!r} is closed")
+        fd = self._shm.fd
+        try:
+            # Reserve every page now: a /dev/shm that is too small fails here,
+            # not with SIGBUS on some later write.
+            os.posix_fallocate(fd, 0, size)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            mm = mmap.mmap(fd, size, flags=flags)
+        except BaseException as exc:
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass
+            if not isinstance(exc, Exception):
+                raise
+            raise _translate(exc, self.name, "create") from exc
+        self.close()
+        return Segment._wrap(self.name, mm, size, owner=True)
+
+    def close(self) -> None:
+        """Close the descriptor (idempotent); the name stays until ``unlink``."""
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            shm.close_fd()
+
+    def unlink(self) -> None:
+        """Remove the name and close; quiet if the name is already gone."""
+        self.close()
+        _unlink_quietly(self.name)
 
 
 def column_views(segment: Segment, layout, columns) -> dict:
@@ -206,66 +279,3 @@ def column_views(segment: Segment, layout, columns) -> dict:
     return {c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes
                                   // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
             for c in columns}
-
-
-class Mapped:
-    """Lifecycle of an object over one segment, like CPython's SharedMemory.
-
-    The creator owns the segment: ``close()``, the end of a ``with`` block,
-    garbage collection or a normal exit unlink it, in the creating process
-    only.  Attachers, and forked children of the owner, only unmap.
-    """
-
-    _segment = None
-    _closed = True
-    owner = False
-    KIND_NAME = "buffer"
-
-    def _open(self, segment: Segment) -> None:
-        self._segment = segment
-        self._pid = os.getpid()
-        self.owner = segment.owner
-        self._closed = False
-        self._finalizer = weakref.finalize(self, finalize_segment, segment,
-                                           self._pid if segment.owner else None)
-
-    @property
-    def name(self) -> str:
-        """The segment's name, for ``attach(name)`` in any process."""
-        return self._segment.name
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"{self.KIND_NAME} {self._segment.name!r} is closed")
-
-    def _release(self) -> None:
-        """Drop this object's references into the mapping (subclasses extend)."""
-
-    def close(self) -> None:
-        """Unmap in this process; the owner also unlinks.  Idempotent.
-
-        Views handed out earlier stay valid (they keep the mapping alive), but
-        every method raises BufferClosedError afterwards.
-        """
-        if self._closed:
-            return
-        self._closed = True
-        self._release()
-        self._finalizer()
-
-    def unlink(self) -> None:
-        """Remove the segment's name now (owner, in its own process, only)."""
-        if not self.owner or self._pid != os.getpid():
-            raise PermissionError(
-                f"{self.KIND_NAME} {self.name!r} was attached, not created, in this process; "
-                f"only its owner unlinks it (or run 'python -m shmbuf rm {self.name}')")
-        try:
-            self._segment.unlink()
-        except FileNotFoundError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

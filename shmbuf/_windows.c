@@ -28,9 +28,12 @@
 
 typedef _Atomic uint64_t atomic_u64;
 
-/* Chunk entry: 64 bytes, fields as in _layout.CHUNK_FIELDS. */
-enum { ENTRY = 64, F_STATE = 0, F_COUNT = 8, F_NEXT = 16, F_NEXT_SEQ = 24 };
-
+/*
+ * The chunk entry's size and the offsets of the fields read here are not
+ * declared in C: they arrive in the geometry tuple that _ring.Ring.geometry
+ * builds from _layout.CHUNK_ENTRY and CHUNK_FIELDS, the one definition.  The
+ * module attribute FIELDS names them in the order the tuple carries them.
+ */
 typedef struct {
     char *base;          /* start of the mapping */
     Py_ssize_t len;      /* its length */
@@ -39,6 +42,8 @@ typedef struct {
     int64_t k;           /* chunk size in rows */
     int64_t capacity;
     int64_t ep_at;       /* offset of the int64 episode column */
+    int64_t entry;       /* bytes per chunk entry */
+    int64_t f_state, f_count, f_next, f_next_seq;  /* field offsets in an entry */
     PyObject *preempt;   /* None-or-callable test hook, see above; NULL if None */
 } Geometry;
 
@@ -58,10 +63,10 @@ call_preempt(PyObject *preempt)
     } while (0)
 
 static inline uint64_t
-chunk_word(const Geometry *g, int64_t chunk, int field)
+chunk_word(const Geometry *g, int64_t chunk, int64_t field)
 {
     return atomic_load_explicit(
-        (atomic_u64 *)(g->base + g->chunks_at + chunk * ENTRY + field),
+        (atomic_u64 *)(g->base + g->chunks_at + chunk * g->entry + field),
         memory_order_acquire);
 }
 
@@ -94,11 +99,11 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
         return 0;
     int64_t chunk = start / g->k, offset = start - chunk * g->k;
     PREEMPT(g);
-    int64_t seq = (int64_t)(chunk_word(g, chunk, F_STATE) >> 32);
+    int64_t seq = (int64_t)(chunk_word(g, chunk, g->f_state) >> 32);
     if (seq & 1)
         return 0;                                    /* being recycled */
     PREEMPT(g);
-    int64_t count = (int64_t)chunk_word(g, chunk, F_COUNT);
+    int64_t count = (int64_t)chunk_word(g, chunk, g->f_count);
     int64_t rows_here = chunk_rows(g, chunk);
     if (count > rows_here || offset >= count)
         return 0;
@@ -113,18 +118,18 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
         if (count != rows_here || n >= max_hops)
             return 0;
         PREEMPT(g);
-        uint64_t next = chunk_word(g, chunk, F_NEXT);
+        uint64_t next = chunk_word(g, chunk, g->f_next);
         PREEMPT(g);
-        int64_t next_seq = (int64_t)chunk_word(g, chunk, F_NEXT_SEQ);
+        int64_t next_seq = (int64_t)chunk_word(g, chunk, g->f_next_seq);
         if (next == 0 || next > (uint64_t)g->n_chunks)
             return 0;
         chunk = (int64_t)next - 1;
         PREEMPT(g);
-        seq = (int64_t)(chunk_word(g, chunk, F_STATE) >> 32);
+        seq = (int64_t)(chunk_word(g, chunk, g->f_state) >> 32);
         if (seq != next_seq)
             return 0;                                /* recycled since the link */
         PREEMPT(g);
-        count = (int64_t)chunk_word(g, chunk, F_COUNT);
+        count = (int64_t)chunk_word(g, chunk, g->f_count);
         rows_here = chunk_rows(g, chunk);
         if (count > rows_here)
             return 0;
@@ -155,15 +160,23 @@ static int
 get_geometry(Py_buffer *mm, PyObject *geo, PyObject *preempt, Geometry *g)
 {
     g->preempt = preempt == Py_None ? NULL : preempt;
-    if (!PyArg_ParseTuple(geo, "LLLLL", &g->chunks_at, &g->n_chunks, &g->k,
-                          &g->capacity, &g->ep_at))
+    if (!PyArg_ParseTuple(geo, "LLLLLLLLLL", &g->chunks_at, &g->n_chunks, &g->k,
+                          &g->capacity, &g->ep_at, &g->entry, &g->f_state, &g->f_count,
+                          &g->f_next, &g->f_next_seq))
         return -1;
     g->base = (char *)mm->buf;
     g->len = mm->len;
-    if (g->k < 1 || g->n_chunks < 1 || g->capacity < 1
+    int64_t fields[4] = {g->f_state, g->f_count, g->f_next, g->f_next_seq};
+    for (int f = 0; f < 4; f++) {
+        if (fields[f] < 0 || fields[f] % 8 || fields[f] + 8 > g->entry) {
+            PyErr_SetString(PyExc_ValueError, "geometry: a chunk field lies outside its entry");
+            return -1;
+        }
+    }
+    if (g->k < 1 || g->n_chunks < 1 || g->capacity < 1 || g->entry < 8 || g->entry % 8
         || g->capacity > g->n_chunks * g->k
         || g->chunks_at < 0 || g->chunks_at % 8
-        || g->chunks_at + g->n_chunks * ENTRY > g->len
+        || g->chunks_at + g->n_chunks * g->entry > g->len
         || g->ep_at < 0 || g->ep_at % 8 || g->ep_at + g->capacity * 8 > g->len) {
         PyErr_SetString(PyExc_ValueError, "geometry does not fit the buffer");
         return -1;
@@ -186,7 +199,8 @@ check_len(Py_buffer *b, Py_ssize_t items, const char *what)
  * find(buffer, geometry, starts, span, length, tail, need, max_hops,
  *      picked, rows, hop_chunks, hop_seqs, preempt=None) -> (found, examined)
  *
- * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at).  Examines
+ * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at, entry bytes,
+ * then the offsets of FIELDS in an entry), from _ring.Ring.geometry.  Examines
  * the 8-byte `starts` in order until `need` valid windows are found.  With
  * span == 0 they are int64 start rows; with span > 0 they are raw uniform
  * 64-bit words (Generator.bit_generator.random_raw), each mapped to a row in
@@ -273,8 +287,7 @@ done:
 }
 
 /*
- * unchanged(buffer, chunks_at, n_chunks, hop_chunks, hop_seqs, max_hops, ok,
- *           preempt=None)
+ * unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)
  *
  * After an acquire fence, ok[i] = 1 if every used hop of window i still has
  * the seq it had when located, else 0.  hop_chunks is -1 where unused.
@@ -283,21 +296,21 @@ static PyObject *
 unchanged(PyObject *self, PyObject *args)
 {
     Py_buffer mm, hc, hs, ok;
-    long long chunks_at, n_chunks, max_hops;
-    PyObject *preempt = Py_None;
-    if (!PyArg_ParseTuple(args, "w*LLy*y*Lw*|O", &mm, &chunks_at, &n_chunks, &hc, &hs,
-                          &max_hops, &ok, &preempt))
+    PyObject *geo, *preempt = Py_None;
+    long long max_hops;
+    if (!PyArg_ParseTuple(args, "w*Oy*y*Lw*|O", &mm, &geo, &hc, &hs, &max_hops, &ok,
+                          &preempt))
         return NULL;
     PyObject *result = NULL;
+    Geometry g;
+    if (get_geometry(&mm, geo, preempt, &g) < 0)
+        goto done;
     Py_ssize_t n = max_hops > 0 ? hc.len / 8 / max_hops : 0;
-    if (max_hops < 1 || chunks_at < 0 || chunks_at % 8 || n_chunks < 1
-        || chunks_at + n_chunks * ENTRY > mm.len || hs.len != hc.len
-        || ok.len < n || hc.len != n * max_hops * 8) {
+    if (max_hops < 1 || hs.len != hc.len || ok.len < n || hc.len != n * max_hops * 8) {
         PyErr_SetString(PyExc_ValueError, "unchanged: arguments do not fit");
         goto done;
     }
     const int64_t *c = hc.buf, *s = hs.buf;
-    char *table = (char *)mm.buf + chunks_at;
     atomic_thread_fence(memory_order_acquire);
     for (Py_ssize_t i = 0; i < n; i++) {
         char same = 1;
@@ -305,14 +318,15 @@ unchanged(PyObject *self, PyObject *args)
             int64_t chunk = c[i * max_hops + h];
             if (chunk < 0)
                 break;
-            if (preempt != Py_None && call_preempt(preempt) < 0)
+            if (g.preempt && call_preempt(g.preempt) < 0)
                 goto done;
-            if (chunk >= n_chunks) {
+            if (chunk >= g.n_chunks) {
                 same = 0;
                 break;
             }
             uint64_t state = atomic_load_explicit(
-                (atomic_u64 *)(table + chunk * ENTRY + F_STATE), memory_order_relaxed);
+                (atomic_u64 *)(g.base + g.chunks_at + chunk * g.entry + g.f_state),
+                memory_order_relaxed);
             if ((int64_t)(state >> 32) != s[i * max_hops + h]) {
                 same = 0;
                 break;
@@ -330,13 +344,98 @@ done:
     return result;
 }
 
+/*
+ * Row `advance` steps after row `offset` of `chunk` along its stream, given
+ * the seq the chunk had when the caller learnt of it; -1 if the chunk was
+ * recycled since, or the stream does not reach that far (yet).
+ */
+static int
+seek_one(const Geometry *g, int64_t chunk, int64_t seq, int64_t offset, int64_t advance,
+         int64_t *row)
+{
+    *row = -1;
+    if (chunk < 0 || chunk >= g->n_chunks || offset < 0 || advance < 0)
+        return 0;
+    PREEMPT(g);
+    if ((int64_t)(chunk_word(g, chunk, g->f_state) >> 32) != seq)
+        return 0;
+    for (int64_t hops = 0; hops <= g->n_chunks; hops++) {
+        int64_t rows_here = chunk_rows(g, chunk);
+        if (offset + advance < rows_here) {
+            *row = chunk * g->k + offset + advance;
+            return 0;
+        }
+        PREEMPT(g);
+        if ((int64_t)chunk_word(g, chunk, g->f_count) != rows_here)
+            return 0;                                /* not full: no successor yet */
+        PREEMPT(g);
+        uint64_t next = chunk_word(g, chunk, g->f_next);
+        PREEMPT(g);
+        int64_t next_seq = (int64_t)chunk_word(g, chunk, g->f_next_seq);
+        if (next == 0 || next > (uint64_t)g->n_chunks)
+            return 0;
+        advance -= rows_here - offset;
+        offset = 0;
+        chunk = (int64_t)next - 1;
+        PREEMPT(g);
+        if ((int64_t)(chunk_word(g, chunk, g->f_state) >> 32) != next_seq)
+            return 0;                                /* recycled since the link */
+    }
+    return 0;
+}
+
+/*
+ * seek(buffer, geometry, chunks, seqs, offsets, advances, rows, preempt=None)
+ *
+ * rows[i] = the physical row `advances[i]` steps after row `offsets[i]` of
+ * chunk `chunks[i]` along that chunk's stream, or -1 (see seek_one).  The
+ * episode index uses it to turn "step p of episode e" into a start row,
+ * which `find` then validates like any other candidate.
+ */
+static PyObject *
+seek(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, ch, sq, of, ad, out;
+    PyObject *geo, *preempt = Py_None;
+    if (!PyArg_ParseTuple(args, "w*Oy*y*y*y*w*|O", &mm, &geo, &ch, &sq, &of, &ad, &out,
+                          &preempt))
+        return NULL;
+    PyObject *result = NULL;
+    Geometry g;
+    if (get_geometry(&mm, geo, preempt, &g) < 0)
+        goto done;
+    Py_ssize_t n = ch.len / 8;
+    if (ch.len % 8 || sq.len != ch.len || of.len != ch.len || ad.len != ch.len
+        || out.len != ch.len) {
+        PyErr_SetString(PyExc_ValueError, "seek: arrays must be int64 of one length");
+        goto done;
+    }
+    const int64_t *c = ch.buf, *s = sq.buf, *o = of.buf, *a = ad.buf;
+    int64_t *r = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (seek_one(&g, c[i], s[i], o[i], a[i], &r[i]) < 0)
+            goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&ch);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&of);
+    PyBuffer_Release(&ad);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS,
      "find(buffer, geometry, starts, span, length, tail, need, max_hops, picked, rows, "
      "hop_chunks, hop_seqs, preempt=None) -> (found, examined)"},
     {"unchanged", unchanged, METH_VARARGS,
-     "unchanged(buffer, chunks_at, n_chunks, hop_chunks, hop_seqs, max_hops, ok, "
-     "preempt=None)"},
+     "unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)"},
+    {"seek", seek, METH_VARARGS,
+     "seek(buffer, geometry, chunks, seqs, offsets, advances, rows, preempt=None)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -348,5 +447,14 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__windows(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    PyObject *fields = Py_BuildValue("(ssss)", "state", "count", "next", "next_seq");
+    if (fields == NULL || PyModule_AddObject(m, "FIELDS", fields) < 0) {
+        Py_XDECREF(fields);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -22,7 +22,7 @@ class _Info:
     def __init__(self, name: str):
         self.segment = Segment.attach(name)
         try:
-            self.layout, self.owner = self.segment.header()
+            self.layout, self.owner = self.segment.header(timeout=0)
         except BaseException:
             self.segment.close()
             raise
@@ -87,12 +87,13 @@ def cmd_info(args) -> int:
         for col in lay.user_columns:
             print(f"  {col.name:<16} shape {str(col.shape):<16} dtype {col.dtype}")
         if info.owner["kind"] != KIND_KEYED:
-            print(f"live steps   {ring.live_steps()}")
-            print(f"written      {ring.steps_written()}")
-            print(f"evicted      {ring.counter('evicted')}")
-            print(f"episodes     {ring.episodes_ended()}")
-            print(f"samples      {ring.counter('samples')}")
-            print(f"streams      {ring.counter('next_stream')}")
+            c = ring.counts()  # the one consistent order
+            print(f"live steps   {c.live}")
+            print(f"written      {c.written}")
+            print(f"evicted      {c.evicted}")
+            print(f"episodes     {c.episodes}")
+            print(f"samples      {c.samples}")
+            print(f"streams      {c.streams}")
         print(f"writers      {len(info.writers())}")
         for slot, pid, steps in info.writers():
             print(f"  slot {slot:<4} pid {pid:<8} steps {steps}")
@@ -139,10 +140,11 @@ def cmd_top(args) -> int:
             ring = info.ring
             now = time.monotonic()
             writers = {slot: (pid, steps) for slot, pid, steps in info.writers()}
-            samples = ring.counter("samples")
+            c = ring.counts()
+            samples = c.samples
             dt = max(now - last_t, 1e-9)
-            lines = [f"{info.name}  fill {ring.live_steps()}/{info.layout.capacity}  "
-                     f"written {ring.steps_written()}  writers {len(writers)}"]
+            lines = [f"{info.name}  fill {c.live}/{info.layout.capacity}  "
+                     f"written {c.written}  writers {len(writers)}"]
             if last is not None:
                 lines.append(f"sample calls/s {(samples - last[1]) / dt:10.1f}")
                 for slot, (pid, steps) in sorted(writers.items()):

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _windows
 from ._errors import NotEnoughDataError, SampleRetryError
-from ._layout import EP_COLUMN
+from ._ring import Ring
 
 _ROUNDS = 4
 _MAX_ELEMENTS = 1 << 22  # candidates x length: caps the random words drawn per round
@@ -50,13 +50,11 @@ class Windows:
 class WindowFinder:
     """Locates and validates windows over one ring; see the module doc."""
 
-    def __init__(self, ring):
+    def __init__(self, ring: Ring):
         self.ring = ring
         self.mm = ring.mm
-        lay = ring.layout
-        self.k = lay.chunk_size
-        self.geometry = (lay.chunks_offset, lay.n_chunks, lay.chunk_size, lay.capacity,
-                         lay.column(EP_COLUMN).offset)
+        self.k = ring.layout.chunk_size
+        self.geometry = ring.geometry
         self.preempt = None  # tests: called before every shared load (see _windows.c)
 
     def locate(self, starts: np.ndarray, length: int, tail: int, need: int,
@@ -87,15 +85,13 @@ class WindowFinder:
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
         ok = np.empty(len(w.rows), np.bool_)
-        _windows.unchanged(self.mm, self.geometry[0], self.geometry[1], w.chunks, w.seqs,
-                           w.chunks.shape[1], ok, self.preempt)
+        _windows.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1], ok,
+                           self.preempt)
         return ok
 
     def draw(self, rng: np.random.Generator, batch: int, length: int, tail: int = 0) -> Windows:
         """``batch`` windows, uniform over every valid start row, with replacement."""
-        ring = self.ring
-        claimed = min(ring.counter("ticket"), ring.layout.n_chunks)
-        span = int(ring.chunk_base[claimed - 1] + ring.chunk_rows[claimed - 1]) if claimed else 0
+        span = self.ring.claimed_rows()
         cap = max(batch, _MAX_ELEMENTS // length)
         found, need = [], batch
         # Candidates are cheap (one random word each; the C pass stops once
@@ -112,31 +108,91 @@ class WindowFinder:
         for _ in range(_ROUNDS):
             if not need:
                 break
-            found.append(self.locate(self._valid_starts(rng, need, length, tail, claimed),
+            found.append(self.locate(self._valid_starts(rng, need, length, tail),
                                      length, tail, need))
             need -= len(found[-1].rows)
         if need:
             raise SampleRetryError(
                 f"could not draw {batch} windows of length {length}: writers recycled the "
                 "chosen chunks each time; the buffer is too small for its ingest rate")
-        found = [w for w in found if len(w.rows)]
-        if len(found) == 1:
-            return found[0]
-        return Windows(*(np.concatenate([getattr(w, f) for w in found])
-                         for f in ("rows", "chunks", "seqs")))
+        return _joined(found)
 
-    def _valid_starts(self, rng, need: int, length: int, tail: int, claimed: int) -> np.ndarray:
+    def _valid_starts(self, rng, need: int, length: int, tail: int) -> np.ndarray:
         """``need`` start rows drawn from an enumeration of every committed row."""
-        ring = self.ring
-        # Clipped: a corrupt count must not make the enumeration explode.
-        counts = np.clip(ring.count[:claimed].view(np.int64), 0, ring.chunk_rows[:claimed])
-        starts = np.repeat(ring.chunk_base[:claimed], counts)
-        starts += np.arange(len(starts)) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = self.ring.committed_rows()
         valid = self.valid(starts, length, tail)
         if not len(valid):
             raise NotEnoughDataError(
                 f"no window of length {length} fits in the buffer yet: it holds "
-                f"{int(counts.sum())} committed steps, and a window must lie in one writer "
+                f"{len(starts)} committed steps, and a window must lie in one writer "
                 "stream without continuing past a terminal step; wait with "
                 "wait_ready(min_steps=..., timeout=...) or ask for shorter windows")
         return rng.choice(valid, need)
+
+    # -- per episode -------------------------------------------------------------
+    def draw_episodes(self, rng: np.random.Generator, batch: int, length: int, tail: int,
+                      newest: int | None) -> Windows:
+        """``batch`` windows, each finished episode equally likely, start uniform within.
+
+        Only the newest ``newest`` finished episodes of the index take part
+        (all it holds if None), and of those the ones with at least
+        ``length - tail`` steps whose steps are still held.  Episode numbers
+        are drawn uniformly from that range of the index and rejected when
+        ineligible; when that keeps failing, the range is enumerated instead.
+        """
+        ring = self.ring
+        hi = ring.episodes_logged()
+        held = min(hi, ring.layout.episode_slots, hi if newest is None else newest)
+        lo = hi - held
+        found, need = [], batch
+        m = 2 * need + 16
+        for round_ in range(_ROUNDS):
+            if not held or not need:
+                break
+            picks = ring.read_episodes(lo + rng.integers(0, held, min(m << 2 * round_, 1 << 20)))
+            found.append(self._episode_windows(rng, picks, length, tail, need))
+            need -= len(found[-1].rows)
+        for _ in range(_ROUNDS):
+            if not need:
+                break
+            eligible = ring.read_episodes(np.arange(lo, hi))
+            eligible = eligible.take(eligible.length >= length - tail)
+            if not len(eligible):
+                raise NotEnoughDataError(self._no_episode_message(length, tail, held, lo, hi))
+            picks = eligible.take(rng.integers(0, len(eligible), 2 * need + 16))
+            found.append(self._episode_windows(rng, picks, length, tail, need))
+            need -= len(found[-1].rows)
+        if need:
+            raise SampleRetryError(
+                f"could not draw {batch} episode windows of length {length}: writers "
+                "recycled the chosen chunks each time; the buffer is too small for its "
+                "ingest rate")
+        return _joined(found)
+
+    def _episode_windows(self, rng, picks, length: int, tail: int, need: int) -> Windows:
+        """Windows at a uniform start in each eligible episode of ``picks``, in order."""
+        picks = picks.take(picks.length >= length - tail)
+        span = picks.length - (length - tail) + 1
+        advance = (rng.random(len(picks)) * span).astype(np.int64)
+        starts = np.empty(len(picks), np.int64)
+        _windows.seek(self.mm, self.geometry, picks.chunk, picks.seq, picks.offset, advance,
+                      starts, self.preempt)
+        return self.locate(starts, length, tail, need)
+
+    def _no_episode_message(self, length, tail, held, lo, hi) -> str:
+        if not hi:
+            return ("no episode has finished yet: per-episode sampling draws from finished "
+                    "episodes only (a true done, or Writer.end_episode()); wait for one")
+        every = self.ring.read_episodes(np.arange(lo, hi))
+        longest = int(every.length.max()) if len(every) else 0
+        return (f"no finished episode among the newest {held} holds {length - tail} steps "
+                f"(windows of length {length}, tail {tail}); the longest held has {longest}; "
+                "ask for shorter windows")
+
+
+def _joined(found: list[Windows]) -> Windows:
+    found = [w for w in found if len(w.rows)]
+    if len(found) == 1:
+        return found[0]
+    return Windows(*(np.concatenate([getattr(w, f) for w in found])
+                     for f in ("rows", "chunks", "seqs")))

@@ -8,21 +8,22 @@ import time
 
 import numpy as np
 
-from . import _atomic as atomic
 from . import _checkpoint
 from ._args import check_int
 from ._errors import SampleRetryError, WaitTimeoutError
-from ._layout import (KIND_STORE, NO_SLOT, PAGE, Layout, encode_header,
-                      encode_meta, pack_chunk_state, plan)
-from ._procs import is_alive, my_start_time
-from ._ring import Ring
-from ._segment import Mapped, Segment, column_views, generate_name, validate_name
+from ._layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ._out import prepare_out as _prepare_out
+from ._pages import ChunkPages
+from ._procs import is_alive, my_start_time
+from ._ring import Episodes, Ring
+from ._handle import Shared
+from ._segment import Segment, column_views, generate_name, validate_name
+from ._wait import check_timeout, poll
 from .sampling import WindowFinder
 from .writer import Writer
 
 _MAX_REDRAWS = 64
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not among Python 3.11's mmap constants
+_UNIFORM = ("steps", "episodes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Stats:
     owner_alive: bool
 
 
-class Buffer(Mapped):
+class Buffer(Shared):
     """A replay buffer in shared memory; make one with ``create`` or ``attach``.
 
     Pickling a buffer sends its name: the receiving process attaches to the
@@ -67,8 +68,7 @@ class Buffer(Mapped):
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._rng = np.random.default_rng(seed)
-        # Chunks whose pages this process has not mapped yet (None: all mapped).
-        self._unmapped = None if mapped else np.ones(layout.n_chunks, np.bool_)
+        self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._open(segment)
 
     # -- identity -----------------------------------------------------------
@@ -129,34 +129,12 @@ class Buffer(Mapped):
             >>> w.add(obs=o, action=a, reward=r, done=d)
         """
         self._check_open()
-        return Writer(self)
-
-    def _populate(self, chunk: int) -> None:
-        """Map a claimed chunk's pages into this process before its first write here.
-
-        A prefaulting owner maps everything at create; an attached writer
-        would otherwise take a minor fault per page of its first pass over
-        the ring.  One madvise per column instead of one fault per page, once
-        per chunk: the pages stay mapped in this process after that.
-        """
-        if self._unmapped is None or not self._unmapped[chunk]:
-            return
-        self._unmapped[chunk] = False
-        lay = self._layout
-        first = chunk * lay.chunk_size
-        rows = int(self._ring.chunk_rows[chunk])
-        mm = self._segment.mmap
-        for col in lay.columns:
-            start = col.offset + first * col.row_bytes
-            aligned = start - start % PAGE
-            try:
-                mm.madvise(_MADV_POPULATE_WRITE, aligned, start + rows * col.row_bytes - aligned)
-            except OSError:
-                return  # kernels before 5.14: the pages fault in as they are written
+        return Writer(self._ring, self._views, self._check_open, self._pages.populate)
 
     # -- sampling -------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
-                         out: dict | None = None, rng=None, tail: int = 0) -> dict:
+                         out: dict | None = None, rng=None, tail: int = 0,
+                         uniform: str = "steps", newest: int | None = None) -> dict:
         """Draw ``batch_size`` windows of ``length`` consecutive steps.
 
         Start steps are uniform over every valid start: a window lies in one
@@ -177,6 +155,15 @@ class Buffer(Mapped):
                 stream: they may lie past a terminal step of the first
                 ``length - tail`` rows (next-frame targets; mask them with
                 ``done``).  Default 0.
+            uniform: ``"steps"`` (default): every valid start is equally
+                likely, so long episodes give more windows.  ``"episodes"``:
+                every finished episode (ended by a terminal step or
+                ``Writer.end_episode``) with at least ``length - tail``
+                steps is equally likely, and the start is uniform within it
+                (PlaNet's rule).  Open episodes take no part.  The cost is
+                per window, not per episode held.
+            newest: with ``uniform="episodes"``, draw only from the newest
+                ``newest`` finished episodes (in the order they ended).
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
@@ -196,10 +183,23 @@ class Buffer(Mapped):
                 0 <= tail < length):
             raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
                              f"got {tail!r}")
+        if uniform not in _UNIFORM:
+            raise ValueError(f"uniform must be one of {_UNIFORM}, got {uniform!r}")
+        if newest is not None:
+            if uniform != "episodes":
+                raise ValueError("newest= applies to uniform='episodes' only; got "
+                                 f"uniform={uniform!r}")
+            newest = check_int("newest", newest, 1)
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         targets = _prepare_out(out, self.spec, lead)
-        windows = self._finder.draw(gen, batch_size, length, tail)
+        if uniform == "steps":
+            def draw(n):
+                return self._finder.draw(gen, n, length, tail)
+        else:
+            def draw(n):
+                return self._finder.draw_episodes(gen, n, length, tail, newest)
+        windows = draw(batch_size)
         pending = np.arange(batch_size)
         for _ in range(_MAX_REDRAWS):
             self._gather(windows.rows, pending, targets, time_major, batch_size)
@@ -208,7 +208,7 @@ class Buffer(Mapped):
                 self._ring.bump("samples")
                 return {k: t.result for k, t in targets.items()}
             pending = pending[stale]
-            windows = self._finder.draw(gen, len(pending), length, tail)
+            windows = draw(len(pending))
         raise SampleRetryError(
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
             f"(capacity {self.capacity}) is too small for its ingest rate")
@@ -259,41 +259,61 @@ class Buffer(Mapped):
         """
         self._check_open()
         min_steps = check_int("min_steps", min_steps, 1, self._layout.capacity)
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float, np.number))):
-            raise TypeError(f"timeout must be None or a number of seconds, got {timeout!r}")
-        if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0 seconds, got {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 1e-4
-        while True:
-            live = self._ring.live_steps()
-            if live >= min_steps:
-                return live
-            if deadline is not None and time.monotonic() >= deadline:
-                raise WaitTimeoutError(
-                    f"buffer {self.name!r} holds {live} live steps after {timeout} s; "
-                    f"wait_ready wanted {min_steps}. Are the writers running?")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
+        timeout = check_timeout(timeout)
+        ring = self._ring
+
+        def ready():
+            live = ring.live_steps()
+            return live if live >= min_steps else None
+
+        return poll(ready, timeout, lambda: WaitTimeoutError(
+            f"buffer {self.name!r} holds {ring.live_steps()} live steps after {timeout} s; "
+            f"wait_ready wanted {min_steps}. Are the writers running?"))
 
     def stats(self) -> Stats:
         """A snapshot of the header counters (see ``Stats``)."""
         self._check_open()
-        ring, lay = self._ring, self._layout
-        # Read order matters.  A step is counted as written before it is
-        # published, and published before it can be evicted; the written and
-        # evicted counts only grow.  Reading evicted, then live, then written
-        # keeps evicted <= written and live <= written however long this
-        # process is descheduled between the reads.
-        evicted = ring.counter("evicted")
-        live = ring.live_steps()
-        written = ring.steps_written()
-        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, written,
-                     live, ring.episodes_ended(), evicted, written - 1,
-                     ring.chunks_in_use(), len(ring.live_writers()),
-                     ring.counter("next_stream"), ring.counter("samples"),
+        lay = self._layout
+        c = self._ring.counts()  # in the one order that keeps them consistent
+        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,
+                     c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
+                     len(self._ring.live_writers()), c.streams, c.samples,
                      self._owner_pid, is_alive(self._owner_pid, self._owner_start))
+
+    # -- episodes and rows ------------------------------------------------------------
+    def episodes(self, newest: int | None = None) -> Episodes:
+        """The finished episodes still wholly held, oldest first (in the order they ended).
+
+        An episode is finished when a terminal step or ``Writer.end_episode``
+        ended it; the buffer indexes the last ``episode_slots`` of them.
+
+        Args:
+            newest: only the newest ``newest`` finished episodes (before
+                dropping the ones already recycled).
+
+        Returns:
+            ``Episodes``: equal-length arrays ``index`` (ascending), ``length``
+            (steps), ``terminal`` (False: cut), ``stream``, ...
+
+        Example:
+            >>> eps = buf.episodes(newest=100)
+            >>> eps.length.mean()
+        """
+        self._check_open()
+        ring = self._ring
+        hi = ring.episodes_logged()
+        held = min(hi, self._layout.episode_slots)
+        if newest is not None:
+            held = min(held, check_int("newest", newest, 1))
+        return ring.read_episodes(np.arange(hi - held, hi, dtype=np.int64))
+
+    def committed_rows(self) -> np.ndarray:
+        """Physical rows of every committed step, chunk by chunk (int64, unordered in time).
+
+        Rows of ``arrays`` outside this set hold no step, or a recycled one.
+        """
+        self._check_open()
+        return self._ring.committed_rows()
 
     # -- checkpoints --------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -307,7 +327,7 @@ class Buffer(Mapped):
             >>> np.savez("ckpt.npz", **buf.snapshot()["columns"])
         """
         self._check_open()
-        return _checkpoint.snapshot(self)
+        return _checkpoint.snapshot(self._ring, self._views)
 
     def restore(self, state: dict) -> None:
         """Replace the contents with a ``snapshot()``; the capacity stays this buffer's.
@@ -324,7 +344,7 @@ class Buffer(Mapped):
             >>> fresh.restore(buf.snapshot())
         """
         self._check_open()
-        _checkpoint.restore(self, state)
+        _checkpoint.restore(self, self._ring, state)
 
     # -- lifecycle ----------------------------------------------------------------
     def _release(self) -> None:
@@ -340,7 +360,8 @@ class Buffer(Mapped):
 
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
-           prefault: bool = True, meta: dict | None = None) -> Buffer:
+           prefault: bool = True, meta: dict | None = None,
+           episode_slots: int | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -354,6 +375,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         prefault: map every page into this process now (writers in other
             processes populate each chunk's pages when they claim it).
         meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
+        episode_slots: finished episodes the episode index remembers
+            (``episodes()``, ``uniform="episodes"``); default
+            ``capacity // 8`` within 1024 and 4M (at most the capacity),
+            64 bytes each.
 
     Returns:
         The owning ``Buffer``; closing it (or dropping it, or exiting) unlinks
@@ -370,17 +395,14 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         ...     print(buf.name)
     """
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
-                  done_key=done_key)
+                  done_key=done_key, episode_slots=episode_slots)
     raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
     segment = Segment.create(name, layout.total_bytes, populate=prefault)
     try:
         owner = (os.getpid(), my_start_time())
-        header = encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta)
-        segment.mmap[:len(header)] = header
-        ring = Ring(segment.mmap, layout)
-        ring.chunk_table[:, 0] = pack_chunk_state(0, True, NO_SLOT, 0)  # free to claim
-        atomic.fence_seq_cst()
+        Ring(segment.mmap, layout).init_chunks()
+        segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta))
         return Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
     except BaseException:
         segment.unlink()

@@ -2,34 +2,22 @@
 
 A writer holds one slot in the header and one or more *streams*.  Each
 stream fills its own chunk; when the chunk is full it claims the oldest
-recyclable chunk, links it as the successor, and seals the old one.  A step
-is published by storing the chunk's new row count with release order after
-every column of the row is written, so readers never see half a step.
+recyclable chunk, links it as the successor, and seals the old one.  All of
+that, and the publish that makes a step visible, is ``_ring``'s protocol
+(``Slot`` and ``Streams``): a writer checks and casts the values, copies
+them into the row ``_ring`` gives it, and asks ``_ring`` to publish.
 """
 from __future__ import annotations
 
 import os
+from typing import Any, Callable
 
 import numpy as np
 
-from . import _atomic as atomic
 from ._cast import coerce, scalar_fast_path
 from ._errors import BufferClosedError
-
-
-class _Streams:
-    """Per-stream cursors of one writer, as arrays indexed by stream."""
-
-    def __init__(self, n: int):
-        self.id = np.zeros(n, np.int64)
-        self.chunk = np.full(n, -1, np.int64)
-        self.seq = np.zeros(n, np.int64)
-        self.base = np.zeros(n, np.int64)     # first row of the chunk
-        self.fill = np.zeros(n, np.int64)     # rows written into the chunk
-        self.rows = np.zeros(n, np.int64)     # rows the chunk can hold
-        self.ep = np.zeros(n, np.int64)       # episode number within the stream
-        self.count_off = np.zeros(n, np.int64)
-        self.left = 0                         # calls before some stream's chunk is full
+from ._layout import EP_COLUMN, Layout
+from ._ring import Ring, Slot, Streams
 
 
 class Writer:
@@ -42,34 +30,28 @@ class Writer:
     """
 
     _closed = True
-    _slot = None
+    _slot: Slot | None = None
 
-    def __init__(self, buffer):
-        self._buf = buffer
-        self._ring = buffer._ring
-        self._mm = buffer._ring.mm
-        lay = buffer._layout
-        self._k = lay.chunk_size
-        self._cols = [(c.name, buffer._views[c.name], c.dtype, c.shape)
-                      for c in lay.user_columns]
-        self._names = set(buffer._views) - {"_ep"}
-        self._ep_col = buffer._views["_ep"]
+    def __init__(self, ring: Ring, views: dict[str, np.ndarray],
+                 check_open: Callable[[], None], on_claim: Callable[[int], None] | None = None):
+        """Internal: ``Buffer.writer()`` builds writers from its ring and column views."""
+        lay: Layout = ring.layout
+        self._ring = ring
+        self._check_open = check_open
+        self._on_claim = on_claim
+        self._cols = [(c.name, views[c.name], c.dtype, c.shape) for c in lay.user_columns]
+        self._names = {c.name for c in lay.user_columns}
+        self._ep_col = views[EP_COLUMN]
         self._done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
         self._done_index = lay.done_column
         self._bind()
 
     def _bind(self) -> None:
         self._pid = os.getpid()
-        self._slot, self._lease = self._ring.claim_slot()
-        self._steps_off = self._ring.layout.slot_field(self._slot, "steps")
-        self._episodes_off = self._ring.layout.slot_field(self._slot, "episodes")
-        # The slot's counters are cumulative over its holders: continue them.
-        self._slot_steps = atomic.load_acquire(self._mm, self._steps_off)
-        self._slot_episodes = atomic.load_acquire(self._mm, self._episodes_off)
-        self._streams_off = self._ring.layout.slot_field(self._slot, "streams")
+        self._slot = self._ring.claim_slot()
         self._steps = 0
-        self._solo = None
-        self._batch = None
+        self._solo: Streams | None = None
+        self._batch: Streams | None = None
         self._closed = False
 
     def _check(self) -> None:
@@ -77,27 +59,7 @@ class Writer:
             raise BufferClosedError("this writer is closed; get a new one with buf.writer()")
         if self._pid != os.getpid():
             self._bind()  # a forked child never continues its parent's streams
-        self._buf._check_open()
-
-    def _new_streams(self, n: int) -> _Streams:
-        s = _Streams(n)
-        first = self._ring.bump("next_stream", n)
-        s.id[:] = np.arange(first, first + n)
-        atomic.fetch_add(self._mm, self._streams_off, n)
-        return s
-
-    def _advance(self, s: _Streams, i: int) -> None:
-        """Give stream ``i`` a fresh chunk, linked after its current one."""
-        chunk, seq = self._ring.claim_chunk(self._slot, self._lease, int(s.id[i]))
-        old = int(s.chunk[i])
-        if old >= 0:
-            self._ring.link(old, chunk, seq)
-            self._ring.seal(old, int(s.seq[i]), self._slot, self._lease)
-        self._buf._populate(chunk)
-        s.chunk[i], s.seq[i], s.fill[i] = chunk, seq, 0
-        s.base[i] = chunk * self._k
-        s.rows[i] = self._ring.chunk_rows[chunk]
-        s.count_off[i] = self._ring.count_off[chunk]
+        self._check_open()
 
     def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
@@ -120,7 +82,7 @@ class Writer:
                 out.append(coerce(f"{verb}({name}=...)", v, dtype, lead + shape))
         return out
 
-    def add(self, **columns) -> None:
+    def add(self, **columns: Any) -> None:
         """Append one step to this writer's stream.
 
         Args:
@@ -144,24 +106,15 @@ class Writer:
         values = self._coerce_all(columns, (), "add")
         s = self._solo
         if s is None:
-            s = self._solo = self._new_streams(1)
-        if s.fill[0] == s.rows[0]:
-            self._advance(s, 0)
-        fill = int(s.fill[0])
-        row = int(s.base[0]) + fill
+            s = self._solo = self._slot.open_streams(1, self._on_claim)
+        row = s.row(0)
         for (_, view, _, _), v in zip(self._cols, values):
             view[row] = v
         self._ep_col[row] = s.ep[0]
-        s.fill[0] = fill + 1
-        # Counted before it is published: a writer killed in between leaves
-        # steps_written one ahead, never behind what readers can see.
-        self._count_steps(1)
-        atomic.store_release(self._mm, int(s.count_off[0]), fill + 1)
-        if self._done is not None and values[self._done_index]:
-            s.ep[0] += 1
-            self._count_episodes(1)
+        self._steps += 1
+        s.publish(0, self._done is not None and bool(values[self._done_index]))
 
-    def add_batch(self, **columns) -> None:
+    def add_batch(self, **columns: Any) -> None:
         """Append one step to each of ``n_envs`` streams, from a vectorised env.
 
         Args:
@@ -183,57 +136,47 @@ class Writer:
         if n <= 0:
             raise ValueError(f"add_batch({first_name}=...): expected a leading env axis of at "
                              f"least 1 row, got shape {shape}")
-        if self._batch is not None and n != len(self._batch.id):
+        if self._batch is not None and n != len(self._batch):
             raise ValueError(f"add_batch({first_name}=...): this writer has "
-                             f"{len(self._batch.id)} env streams, got {n} rows; use one "
+                             f"{len(self._batch)} env streams, got {n} rows; use one "
                              "writer per vectorised env")
         values = self._coerce_all(columns, (n,), "add_batch")
         s = self._batch
         if s is None:
-            s = self._batch = self._new_streams(n)
-        if not s.left:   # every stream gains a row per call: chunks fill in lockstep
-            for i in np.flatnonzero(s.fill == s.rows):
-                self._advance(s, int(i))
-            s.left = int((s.rows - s.fill).min())
-        rows = s.base + s.fill
+            s = self._batch = self._slot.open_streams(n, self._on_claim)
+        rows = s.rows_all()
         for (_, view, _, _), v in zip(self._cols, values):
             view[rows] = v
         self._ep_col[rows] = s.ep
-        s.fill += 1
-        s.left -= 1
-        self._count_steps(n)
-        atomic.store_many(self._mm, s.count_off, s.fill)
+        self._steps += n
+        ended = None
         if self._done is not None:
             ended = values[self._done_index]
-            n_ended = int(np.count_nonzero(ended))
-            if n_ended:
-                s.ep += ended.astype(np.bool_, copy=False)
-                self._count_episodes(n_ended)
-
-    def _count_steps(self, n: int) -> None:
-        self._steps += n
-        self._slot_steps += n
-        atomic.store_release(self._mm, self._steps_off, self._slot_steps)
-
-    def _count_episodes(self, n: int) -> None:
-        if n:
-            self._slot_episodes += n
-            atomic.store_release(self._mm, self._episodes_off, self._slot_episodes)
+            if not np.count_nonzero(ended):
+                ended = None
+        s.publish_all(ended)
 
     def end_episode(self, env: int | None = None) -> None:
         """Cut the stream (or env stream ``env``) without a terminal step.
 
-        Use it for time limits: later steps start a new episode, and no window
-        spans the cut.
+        Use it for time limits (truncation): later steps start a new episode,
+        no window spans the cut, and the episode so far is indexed as cut,
+        not terminal.
+
+        Raises:
+            IndexError: ``env`` is not one of this writer's env streams.
+            BufferClosedError: the writer or the buffer is closed.
         """
         self._check()
         if env is None:
             if self._solo is not None:
-                self._solo.ep[0] += 1
+                self._solo.end(0, False)
         else:
-            if self._batch is None or not 0 <= env < len(self._batch.id):
-                raise IndexError(f"end_episode: env {env} is not one of this writer's streams")
-            self._batch.ep[env] += 1
+            if self._batch is None or isinstance(env, bool) or not isinstance(
+                    env, (int, np.integer)) or not 0 <= env < len(self._batch):
+                raise IndexError(f"end_episode: env {env!r} is not one of this writer's "
+                                 f"{0 if self._batch is None else len(self._batch)} env streams")
+            self._batch.end(int(env), False)
 
     @property
     def steps(self) -> int:
@@ -245,18 +188,18 @@ class Writer:
         if self._closed:
             return
         self._closed = True
-        if self._pid != os.getpid() or self._buf._closed:
+        if self._pid != os.getpid():
             return
-        for s in (self._solo, self._batch):
-            if s is not None:
-                for i in np.flatnonzero(s.chunk >= 0):
-                    self._ring.seal(int(s.chunk[i]), int(s.seq[i]), self._slot, self._lease)
-        self._ring.release_slot(self._slot, self._lease)
+        try:
+            self._check_open()
+        except BufferClosedError:
+            return  # the mapping is gone with the buffer
+        self._slot.release([s for s in (self._solo, self._batch) if s is not None])
 
-    def __enter__(self):
+    def __enter__(self) -> "Writer":
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __del__(self):

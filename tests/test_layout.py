@@ -497,7 +497,8 @@ def assert_decodes_sanely(buf, size, name="fuzz"):
     user = {c.name: (c.shape, c.dtype) for c in lay.user_columns}
     done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
     assert lay == L.plan(user, lay.capacity, chunk_size=lay.chunk_size,
-                         max_writers=lay.max_writers, done_key=done)
+                         max_writers=lay.max_writers, done_key=done,
+                         episode_slots=lay.episode_slots)
     for col in lay.columns:
         assert col.row_bytes == math.prod(col.shape) * col.dtype.itemsize, col
         assert col.offset + col.row_bytes * lay.capacity <= lay.total_bytes, col
@@ -742,3 +743,57 @@ def test_boundary_arguments_are_accepted():
     L.plan({"obs": ((1,) * L.MAX_NDIM, np.uint8)}, 1, chunk_size=1)
     L.plan({"obs": (np.array([3, 4]), np.uint8)}, 5)  # any int sequence is a shape
     L.plan({"obs": (7, np.uint8)}, 5)                  # a bare int is a 1-d shape
+
+
+# -- one owner for the protocol ---------------------------------------------------
+PROTOCOL_MODULES = {"_ring", "_keyed_ring"}  # the step store's, and the keyed rings'
+
+
+def _imports_of(path):
+    import ast
+
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.module:
+                yield node.module.lstrip(".")
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_only_the_protocol_modules_import_atomic():
+    import pathlib
+
+    root = pathlib.Path(shmbuf.__file__).parent
+    users = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.py")
+             if any(name in ("_atomic", "shmbuf._atomic") for name in _imports_of(p))}
+    assert users <= PROTOCOL_MODULES, f"{sorted(users - PROTOCOL_MODULES)} import _atomic"
+    assert "_ring" in users
+
+
+def test_c_reads_the_chunk_fields_that_layout_defines():
+    from shmbuf import _windows
+    from shmbuf._ring import Ring
+
+    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10)
+    mm = bytearray(lay.total_bytes)
+    geometry = Ring(memoryview(mm), lay).geometry
+    assert geometry[5] == L.CHUNK_ENTRY
+    assert geometry[6:] == tuple(L.CHUNK_FIELDS[f] for f in _windows.FIELDS)
+    assert set(_windows.FIELDS) <= set(L.CHUNK_FIELDS)
+
+
+def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
+    from shmbuf import _windows
+    from shmbuf._ring import Ring
+
+    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10)
+    mm = bytearray(lay.total_bytes)
+    good = Ring(memoryview(mm), lay).geometry
+    ok = np.zeros(1, np.bool_)
+    for bad in (good[:6] + (L.CHUNK_ENTRY,) + good[7:], good[:5] + (4,) + good[6:],
+                good[:8] + (3,) + good[9:]):
+        with pytest.raises(ValueError, match="geometry"):
+            _windows.unchanged(mm, bad, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
+                               1, ok)
