@@ -1,0 +1,194 @@
+"""The episode index: finished episodes listed and sampled per episode, in O(batch)."""
+import multiprocessing as mp
+
+import numpy as np
+import pytest
+
+import shmbuf
+
+SPEC = {"obs": ((2,), np.int64), "done": ((), np.bool_)}  # obs = (episode id, step)
+
+
+def write_episodes(w, lengths, first_id=0, cut=()):
+    """Episode ``first_id + i`` of ``lengths[i]`` steps; the ones in ``cut`` end by end_episode."""
+    for i, n in enumerate(lengths):
+        ep = first_id + i
+        for t in range(n):
+            w.add(obs=np.array([ep, t]), done=(t == n - 1 and ep not in cut))
+        if ep in cut:
+            w.end_episode()
+
+
+def check_windows(batch, time_major=True):
+    obs = batch["obs"] if time_major else batch["obs"].swapaxes(0, 1)
+    ep, t = obs[..., 0], obs[..., 1]
+    assert (ep == ep[:1]).all(), "a window crossed an episode"
+    assert (np.diff(t, axis=0) == 1).all(), "a window skipped or repeated a step"
+    return ep[0]
+
+
+def test_finished_episodes_are_listed_oldest_first(make_buffer):
+    buf = make_buffer(SPEC, 1000, chunk_size=7)
+    lengths = [3, 10, 1, 25, 8]
+    with buf.writer() as w:
+        write_episodes(w, lengths, cut={2})
+        w.add(obs=np.array([99, 0]), done=False)   # open: not listed
+        eps = buf.episodes()
+    assert eps.length.tolist() == lengths
+    assert eps.terminal.tolist() == [True, True, False, True, True]
+    assert eps.index.tolist() == [0, 1, 2, 3, 4]
+    assert buf.episodes(newest=2).length.tolist() == [25, 8]
+    assert buf.stats().episodes == 4  # terminal ones, as before
+
+
+def test_an_empty_cut_is_not_an_episode(make_buffer):
+    buf = make_buffer(SPEC, 100)
+    with buf.writer() as w:
+        w.end_episode()
+        write_episodes(w, [4])
+        w.end_episode()
+        w.end_episode()
+    assert buf.episodes().length.tolist() == [4]
+
+
+def test_episode_sampling_is_uniform_over_episodes_not_steps(make_buffer):
+    buf = make_buffer(SPEC, 5000, chunk_size=16)
+    lengths = [5, 200] * 10
+    with buf.writer() as w:
+        write_episodes(w, lengths)
+    per_episode = np.bincount(check_windows(
+        buf.sample_sequences(8000, 5, uniform="episodes", rng=1)), minlength=20)
+    # 8000 draws over 20 episodes: 400 each; 5 sigma is about 100.
+    assert per_episode.min() > 300 and per_episode.max() < 500, per_episode
+    per_step = np.bincount(check_windows(buf.sample_sequences(8000, 5, rng=1)), minlength=20)
+    assert per_step[0::2].sum() * 20 < per_step[1::2].sum()  # long episodes dominate
+
+
+def test_start_is_uniform_within_the_episode(make_buffer):
+    buf = make_buffer(SPEC, 1000, chunk_size=8)
+    with buf.writer() as w:
+        write_episodes(w, [40])
+    starts = buf.sample_sequences(7200, 5, uniform="episodes", rng=2)["obs"][0, :, 1]
+    counts = np.bincount(starts, minlength=36)
+    assert len(counts) == 36 and counts.min() > 120 and counts.max() < 280, counts
+
+
+def test_newest_restricts_the_draw(make_buffer):
+    buf = make_buffer(SPEC, 2000, chunk_size=10)
+    with buf.writer() as w:
+        write_episodes(w, [12] * 30)
+    ids = check_windows(buf.sample_sequences(500, 12, uniform="episodes", newest=3, rng=0))
+    assert set(ids.tolist()) == {27, 28, 29}
+
+
+def test_tail_rows_may_follow_the_episode_end(make_buffer):
+    buf = make_buffer(SPEC, 1000, chunk_size=6)
+    with buf.writer() as w:
+        write_episodes(w, [4, 4, 4])
+    batch = buf.sample_sequences(300, 5, tail=1, uniform="episodes", rng=0)
+    obs = batch["obs"]
+    assert (obs[:4, :, 0] == obs[:1, :, 0]).all()
+    # only episodes with a successor in the stream can give a tail row
+    assert set(obs[0, :, 0].tolist()) == {0, 1}
+    assert (obs[4, :, 1] == 0).all() and (obs[4, :, 0] == obs[0, :, 0] + 1).all()
+
+
+def test_vectorised_writers_log_one_episode_per_env_stream(make_buffer):
+    buf = make_buffer(SPEC, 4000, chunk_size=5)
+    n = 4
+    with buf.writer() as w:
+        for t in range(60):
+            ids = np.array([e * 1000 + t // (e + 3) for e in range(n)])
+            steps = np.array([t % (e + 3) for e in range(n)])
+            done = np.array([t % (e + 3) == e + 2 for e in range(n)])
+            w.add_batch(obs=np.stack([ids, steps], 1), done=done)
+        w.end_episode(env=0)   # its open episode is empty: 60 % 3 == 0
+    eps = buf.episodes()
+    expected = sum(60 // (e + 3) for e in range(n))
+    assert len(eps) == expected
+    for e in range(n):
+        assert (eps.length[eps.stream == eps.stream.min() + e] == e + 3).all()
+    check_windows(buf.sample_sequences(1000, 3, uniform="episodes", rng=0))
+
+
+def test_recycled_episodes_leave_the_index(make_buffer):
+    buf = make_buffer(SPEC, 64, chunk_size=8)
+    with buf.writer() as w:
+        write_episodes(w, [8] * 40)
+        eps = buf.episodes()
+    assert 0 < len(eps) < 40 and eps.index[-1] == 39
+    assert eps.length.sum() <= 64
+    ids = check_windows(buf.sample_sequences(400, 8, uniform="episodes", rng=0))
+    assert set(ids.tolist()) == set(eps.index.tolist())
+
+
+def test_a_small_index_keeps_the_newest_episodes(make_buffer):
+    buf = make_buffer(SPEC, 1000, chunk_size=10, episode_slots=4)
+    with buf.writer() as w:
+        write_episodes(w, [5] * 10)
+    assert buf.episodes().index.tolist() == [6, 7, 8, 9]
+    ids = check_windows(buf.sample_sequences(200, 5, uniform="episodes", rng=0))
+    assert set(ids.tolist()) == {6, 7, 8, 9}
+
+
+def test_time_major_false_and_out(make_buffer):
+    buf = make_buffer(SPEC, 500, chunk_size=4)
+    with buf.writer() as w:
+        write_episodes(w, [9, 9])
+    out = {"obs": np.empty((16, 6, 2), np.int64), "done": np.empty((16, 6), np.bool_)}
+    got = buf.sample_sequences(16, 6, time_major=False, out=out, uniform="episodes", rng=0)
+    assert got["obs"] is out["obs"]
+    check_windows(got, time_major=False)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"uniform": "episode"}, ValueError, "uniform must be one of"),
+    ({"newest": 3}, ValueError, "newest= applies to uniform='episodes'"),
+    ({"uniform": "episodes", "newest": 0}, ValueError, "newest must be at least 1"),
+    ({"uniform": "episodes", "newest": 1.5}, TypeError, "newest must be an int"),
+])
+def test_bad_arguments_name_themselves(make_buffer, kwargs, error, match):
+    buf = make_buffer(SPEC, 100)
+    with buf.writer() as w:
+        write_episodes(w, [5])
+    with pytest.raises(error, match=match):
+        buf.sample_sequences(2, 2, **kwargs)
+
+
+def test_no_finished_episode_yet_is_not_enough_data(make_buffer):
+    buf = make_buffer(SPEC, 100)
+    with buf.writer() as w:
+        w.add(obs=np.array([0, 0]), done=False)
+        with pytest.raises(shmbuf.NotEnoughDataError, match="no episode has finished yet"):
+            buf.sample_sequences(2, 1, uniform="episodes")
+        write_episodes(w, [3, 7], first_id=1)
+        with pytest.raises(shmbuf.NotEnoughDataError, match="the longest held has 7"):
+            buf.sample_sequences(2, 8, uniform="episodes")
+
+
+def _episode_writer(buf, first_id, count, length):
+    with buf.writer() as w:
+        write_episodes(w, [length] * count, first_id=first_id)
+
+
+@pytest.mark.slow
+def test_episodes_from_spawned_writers_are_whole_and_sampled_untorn(make_buffer):
+    buf = make_buffer(SPEC, 20_000, chunk_size=16)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_episode_writer, args=(buf, 1000 * i, 100, 37))
+             for i in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    eps = buf.episodes()
+    assert len(eps) == 200 and (eps.length == 37).all() and eps.terminal.all()
+    ids = check_windows(buf.sample_sequences(4000, 37, uniform="episodes", rng=0))
+    assert len(set(ids.tolist())) == 200
