@@ -1,10 +1,17 @@
 """Shared fixtures: every test must leave /dev/shm as it found it."""
 import os
+import sys
 
 import numpy as np
 import pytest
 
 import shmbuf
+
+# tests/ on sys.path whatever pytest's --import-mode, so that tests import the
+# helpers package (tests/helpers/) as ``helpers``; spawned children inherit the path.
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+if TESTS_DIR not in sys.path:
+    sys.path.insert(0, TESTS_DIR)
 
 SHM = "/dev/shm"
 # Generated names carry this session's tag (children inherit it), so the leak

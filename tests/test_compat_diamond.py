@@ -1,6 +1,6 @@
 """DIAMOND ReplayBuffer and SequenceDataset, from the documented contract.
 
-Steps are encoded (diamond_workers.py): every sampled element is checked
+Steps are encoded (helpers/diamond_workers.py): every sampled element is checked
 against the step it came from, so a wrong frame, a next_obs that is not the
 immediate next frame, a spliced or cross-episode window, or a truncated
 continuous action cannot pass.
@@ -15,8 +15,9 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 import shmbuf
-from diamond_workers import (A, C, CUT_FROM, H, OBS_SHAPE, W, add_steps, check_items,
-                             check_sequences, check_steps, frame, identities, step, write_worker)
+from helpers.diamond_workers import (A, C, CUT_FROM, H, OBS_SHAPE, W, add_steps, check_items,
+                                     check_sequences, check_steps, frame, identities, step,
+                                     write_worker)
 from shmbuf import BufferClosedError, CorruptSegmentError, NotEnoughDataError, \
     SegmentNotFoundError
 from shmbuf.diamond import ReplayBuffer, SequenceDataset

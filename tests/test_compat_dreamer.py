@@ -11,8 +11,9 @@ import pytest
 
 import shmbuf
 from shmbuf.compat.dreamer import ReplayBuffer
-from transition_helpers import Stream, add_step, report_from_child, run_attacher, run_writers
-from workers import step_for, verify_window
+from helpers.transition_helpers import (Stream, add_step, report_from_child, run_attacher,
+                                        run_writers)
+from helpers.workers import step_for, verify_window
 
 OBS = (3, 8, 8)
 

@@ -14,7 +14,7 @@ import shmbuf
 from shmbuf import keyed
 from shmbuf._strided import AgeTables, block_ages, contiguous_window, frame_ages
 from shmbuf.compat.history import HistoryBuffer, SchemaPendingError
-from keyed_workers import history_info, history_worker, pixels_for
+from helpers.keyed_workers import history_info, history_worker, pixels_for
 
 SHM = "/dev/shm"
 

@@ -1,6 +1,6 @@
 """PlaNet Memory / Episode: the TorchWM docs' examples, then the documented contract.
 
-Behaviour tests use encoded episodes (tests/planet_workers.py): every sampled
+Behaviour tests use encoded episodes (tests/helpers/planet_workers.py): every sampled
 element is decoded and checked against the step it must have come from.
 """
 import multiprocessing as mp
@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from planet_workers import (ACTION_SIZE, OBS_SHAPE, append_episodes, check_batch, episode_length,
-                            halve, obs_value, record)
+from helpers.planet_workers import (ACTION_SIZE, OBS_SHAPE, append_episodes, check_batch,
+                                    episode_length, halve, obs_value, record)
 from shmbuf.compat._episodic import census
 from shmbuf.compat.planet import Episode, Memory, SampleTooLargeError
 

@@ -1,7 +1,7 @@
 """Crash safety: SIGKILL writers, readers and attachers at random instants."""
 import pytest
 
-import crash_harness
+from helpers import crash_harness
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import _layout, keyed
-from keyed_workers import WIDE, code, keyed_writer
+from helpers.keyed_workers import WIDE, code, keyed_writer
 
 SHM = "/dev/shm"
 SPEC = {"x": ((2,), np.int64), "tag": ((), "<U4")}

@@ -27,7 +27,7 @@ import pytest
 
 import shmbuf
 from shmbuf import _layout as L
-from workers import SPEC, step_for, verify_batch, write_steps
+from helpers.workers import SPEC, step_for, verify_batch, write_steps
 
 SHM = "/dev/shm"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -86,7 +86,7 @@ def run_forked(body, timeout=CHILD_TIMEOUT):
 
 
 def run_python(code, timeout=CHILD_TIMEOUT):
-    """Run ``code`` in a fresh interpreter that can import tests/workers.py."""
+    """Run ``code`` in a fresh interpreter that can import tests/helpers/workers.py."""
     prelude = f"import sys; sys.path.insert(0, {TESTS_DIR!r})\n"
     proc = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)],
                           capture_output=True, text=True, timeout=timeout)
@@ -179,7 +179,7 @@ VIEWS_AFTER_CLOSE = """
     import gc
     import numpy as np
     import shmbuf
-    from workers import SPEC, write_steps
+    from helpers.workers import SPEC, write_steps
     buf = shmbuf.{how}(SPEC, 16)
     write_steps(buf, 0, 3)
     reward = buf.arrays["reward"]
@@ -423,7 +423,7 @@ def test_writer_cannot_be_pickled(make_buffer):
 # -- other processes ---------------------------------------------------------------
 ATTACH_AND_WRITE = """
     import shmbuf
-    from workers import write_steps
+    from helpers.workers import write_steps
     buf = shmbuf.attach({name!r})
     write_steps(buf, 7, {n}, episode_len=25)
     {close}
@@ -451,7 +451,7 @@ def test_owner_process_exit_unlinks():
     name = fresh_name("exit")
     out = run_python(f"""
         import shmbuf
-        from workers import SPEC
+        from helpers.workers import SPEC
         buf = shmbuf.create(SPEC, 64, name={name!r})
         print(buf.stats().owner_alive)
     """)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import shmbuf
-from workers import (SPEC, add_with_inherited_writer, episode_steps, verify_batch,
-                     write_batches_until, write_steps, write_until)
+from helpers.workers import (SPEC, add_with_inherited_writer, episode_steps, verify_batch,
+                             write_batches_until, write_steps, write_until)
 
 pytestmark = pytest.mark.slow
 
@@ -166,7 +166,7 @@ def test_forked_child_gets_new_streams_from_inherited_writer(make_buffer):
 
 def test_python_c_subprocess_attaches_and_writes(make_buffer):
     buf = make_buffer(SPEC, 2000, chunk_size=16)
-    code = ("import sys, shmbuf; from workers import write_steps; "
+    code = ("import sys, shmbuf; from helpers.workers import write_steps; "
             "buf = shmbuf.attach(sys.argv[1]); write_steps(buf, 7, 500, 23); buf.close()")
     path = [TESTS_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))

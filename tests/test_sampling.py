@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from workers import SPEC, EnvCursor, batch_step, step_for, verify_batch, write_batches
+from helpers.workers import SPEC, EnvCursor, batch_step, step_for, verify_batch, write_batches
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
                 np.dtype(np.bool_): torch.bool}

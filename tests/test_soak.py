@@ -1,7 +1,7 @@
 """A bounded soak; the figures are printed (run pytest with -s), never asserted as timings."""
 import pytest
 
-import soak
+from helpers import soak
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@ Kept out of test files so that spawned children can import it.
 import multiprocessing as mp
 
 from shmbuf.compat.dreamer import ReplayBuffer
-from workers import step_for
+from helpers.workers import step_for
 
 JOIN_S = 60.0
 

@@ -3,7 +3,7 @@
 Prints steps written, windows verified, sample latency p50/p99 with writers
 running and idle, and each reader's private memory at the start and end.
 
-    python tests/soak.py --seconds 600
+    python tests/helpers/soak.py --seconds 600
 """
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/, so that ``helpers`` imports when this file is run as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shmbuf  # noqa: E402
-from workers import SPEC, episode_steps, verify_batch  # noqa: E402
+from helpers.workers import SPEC, episode_steps, verify_batch  # noqa: E402
 
 
 def private_kib() -> int:

@@ -6,7 +6,7 @@ time, with chunks so small that many kills land inside a chunk claim.  Each
 round kills one random writer, starts a replacement that joins by name, and
 samples and verifies windows.  Run by hand for the full sizes:
 
-    python tests/crash_harness.py --rounds 1000
+    python tests/helpers/crash_harness.py --rounds 1000
 """
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# tests/, so that ``helpers`` imports when this file is run as a script.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shmbuf  # noqa: E402
-from workers import SPEC, step_for, verify_batch  # noqa: E402
+from helpers.workers import SPEC, step_for, verify_batch  # noqa: E402
 
 HANG_SECONDS = 20
 
