@@ -1,0 +1,31 @@
+"""The public surface: ``shmbuf.__all__`` is pinned, documented, and typed."""
+from importlib import resources
+
+import shmbuf
+
+EXPORTS = [
+    "Buffer", "BufferClosedError", "CorruptSegmentError", "DiamondReplayBuffer", "Episode",
+    "HistoryBuffer", "IRISOnPolicyBuffer", "IRISReplayBuffer", "LayoutVersionError", "Memory",
+    "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
+    "OnPolicyBufferFullError", "ReplayBuffer", "SampleRetryError", "SampleTooLargeError",
+    "SchemaPendingError", "SegmentExistsError", "SegmentNotFoundError",
+    "SegmentPermissionError", "SequenceDataset", "SharedMemoryFullError", "ShmbufError",
+    "Stats", "WaitTimeoutError", "Writer", "attach", "create",
+]
+
+
+def test_all_is_exactly_the_public_surface():
+    assert sorted(set(shmbuf.__all__)) == EXPORTS
+    assert len(shmbuf.__all__) == len(EXPORTS), "a name is listed twice in __all__"
+
+
+def test_every_exported_name_resolves_and_has_a_docstring():
+    for name in shmbuf.__all__:
+        obj = getattr(shmbuf, name)  # AttributeError names the missing export
+        doc = obj.__doc__  # a class's own docstring: __doc__ is not inherited
+        assert isinstance(doc, str) and doc.strip(), f"shmbuf.{name} has no docstring"
+
+
+def test_the_package_ships_the_py_typed_marker():
+    marker = resources.files("shmbuf").joinpath("py.typed")
+    assert marker.is_file(), "shmbuf/py.typed is missing from the installed package"
