@@ -346,4 +346,6 @@ class ShmbufDreamer(ShmbufCore):
 
 BACKENDS = (NumpyGather, NumpyCopy, QueuePipeline, Cpprb, TorchRL, SeedRing, SeedDeque,
             ShmbufCore, ShmbufDreamer, ShmbufHistory)
+# The order of the backends in the report's tables and in the chart.
+ORDER = [c.key for c in BACKENDS] + ["numpy_gather"]
 W3_DEFAULTS = dict(capacity=MAX_LEN, batch=N_ENVS)

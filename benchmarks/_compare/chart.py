@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .report import ORDER
+from .backends import ORDER
 
 COLORS = {"numpy_gather": "#999999", "numpy_copy": "#cccccc", "queue": "#8c564b",
           "cpprb": "#ff7f0e", "torchrl": "#d62728", "seed_ring": "#9467bd",

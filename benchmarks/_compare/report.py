@@ -11,10 +11,9 @@ from __future__ import annotations
 import statistics
 import traceback
 
-from .backends import BACKENDS
+from .backends import BACKENDS, ORDER
 from .base import NotApplicable, Unavailable
 
-ORDER = [c.key for c in BACKENDS] + ["numpy_gather"]
 LABELS = {c.key: c.label for c in BACKENDS}
 PEERS = ("queue", "cpprb", "torchrl", "seed_ring")
 
