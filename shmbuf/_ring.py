@@ -35,6 +35,8 @@ _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
 # Fields of an episode entry after its seq, in the order a writer stores them.
 _EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flags")
+(_E_SEQ, _E_STREAM, _E_CHUNK, _E_CHUNK_SEQ, _E_OFFSET, _E_LENGTH, _E_EP,
+ _E_FLAGS) = (EPISODE_FIELDS[f] // 8 for f in ("seq",) + _EPISODE_BODY)
 
 
 # -- the header ------------------------------------------------------------------
@@ -99,7 +101,9 @@ class Episodes:
         return len(self.index)
 
     def take(self, keep) -> "Episodes":
-        return Episodes(*(getattr(self, f.name)[keep] for f in dataclasses.fields(self)))
+        return Episodes(self.index[keep], self.length[keep], self.terminal[keep],
+                        self.stream[keep], self.ep[keep], self.chunk[keep], self.seq[keep],
+                        self.offset[keep])
 
 
 class Ring:
@@ -119,8 +123,9 @@ class Ring:
         self.slot_table = np.frombuffer(mm, dtype="<u8", count=layout.max_writers * SLOT_ENTRY // 8,
                                         offset=layout.slots_offset).reshape(-1, SLOT_ENTRY // 8)
         self.slot_steps = self.slot_table[:, SLOT_FIELDS["steps"] // 8]
-        e = np.arange(layout.episode_slots, dtype=np.int64) * EPISODE_ENTRY + layout.episodes_offset
-        self._episode_off = {f: e + off for f, off in EPISODE_FIELDS.items()}
+        self.episode_table = np.frombuffer(
+            mm, dtype="<u8", count=layout.episode_slots * EPISODE_ENTRY // 8,
+            offset=layout.episodes_offset).reshape(layout.episode_slots, -1)
         # The geometry _windows.c works with: sizes, then the chunk fields it
         # reads (its FIELDS), all taken from _layout.
         self.geometry = (layout.chunks_offset, n, k, layout.capacity,
@@ -332,11 +337,12 @@ class Ring:
         """
         i = self.bump("episode_ticket")
         entry = i % self.layout.episode_slots
-        seq_off = int(self._episode_off["seq"][entry])
+        seq_off = self.layout.episode_field(entry, "seq")
         old = atomic.load_acquire(self.mm, seq_off)
         if old >= 2 * i + 1 or not atomic.compare_exchange(self.mm, seq_off, old, 2 * i + 1):
             return
-        offsets = np.array([self._episode_off[f][entry] for f in _EPISODE_BODY], np.int64)
+        offsets = np.array([self.layout.episode_field(entry, f) for f in _EPISODE_BODY],
+                           np.int64)
         body = np.array([stream, chunk, chunk_seq, offset, length, ep,
                          TERMINAL if terminal else 0], np.int64)
         atomic.store_many(self.mm, offsets, body)
@@ -350,25 +356,24 @@ class Ring:
         """The published entries among episode ``indices`` whose first chunk is intact."""
         indices = np.asarray(indices, np.int64)
         entries = indices % self.layout.episode_slots
-        seq_off = self._episode_off["seq"][entries]
-        before = self._load(seq_off)
-        body = {f: self._load(self._episode_off[f][entries]) for f in _EPISODE_BODY}
-        after = self._load(seq_off)
+        table = self.episode_table
+        # A seqlock read: seq, body, seq again, each step ordered by a fence.
+        # Aligned 8-byte loads are single-copy atomic, as in live_chunks.
+        before = table[entries, _E_SEQ].view(np.int64)
+        atomic.fence_acquire()
+        body = table[entries].view(np.int64)
+        atomic.fence_acquire()
+        after = table[entries, _E_SEQ].view(np.int64)
         want = 2 * indices + 2
         ok = (before == want) & (after == want)
-        chunk = body["chunk"]
-        ok &= (chunk >= 0) & (chunk < self.layout.n_chunks) & (body["length"] > 0)
+        chunk, length = body[:, _E_CHUNK], body[:, _E_LENGTH]
+        ok &= (chunk >= 0) & (chunk < self.layout.n_chunks) & (length > 0)
         chunk = np.where(ok, chunk, 0)
         ok &= ((self.chunk_table[chunk, _STATE] >> np.uint64(32)).astype(np.int64)
-               == body["chunk_seq"])
-        return Episodes(indices, body["length"], (body["flags"] & TERMINAL) != 0,
-                        body["stream"], body["ep"], chunk, body["chunk_seq"],
-                        body["offset"]).take(ok)
-
-    def _load(self, offsets: np.ndarray) -> np.ndarray:
-        out = np.empty(len(offsets), np.int64)
-        atomic.load_many(self.mm, np.ascontiguousarray(offsets, np.int64), out)
-        return out
+               == body[:, _E_CHUNK_SEQ])
+        return Episodes(indices, length, (body[:, _E_FLAGS] & TERMINAL) != 0,
+                        body[:, _E_STREAM], body[:, _E_EP], chunk, body[:, _E_CHUNK_SEQ],
+                        body[:, _E_OFFSET]).take(ok)
 
 
 class Slot:
