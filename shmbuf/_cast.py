@@ -56,11 +56,67 @@ def coerce(label: str, value, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     if arr.shape != shape:
         raise ValueError(f"{label}: expected shape {shape}, got {arr.shape}")
     if arr.dtype != dtype and not _lossless(arr, dtype):
-        raise TypeError(
-            f"{label}: cannot store dtype {arr.dtype} in a {dtype} column without losing "
-            f"information; convert it explicitly (e.g. value.astype({dtype.name!r})) if that "
-            "is what you mean")
+        raise TypeError(f"{label}: {_why_not(arr, dtype)}; nothing was written. Convert it "
+                        f"explicitly (e.g. value.astype({_dtype_name(dtype)!r})) if losing "
+                        "information is what you mean")
     return arr
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return dtype.str if dtype.kind in "US" else dtype.name
+
+
+def _range(dtype: np.dtype, source: np.dtype | None = None) -> str:
+    """What a column of ``dtype`` holds, for messages."""
+    if dtype.kind == "b":
+        return "False/True or 0/1"
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return f"integers {info.min}..{info.max}"
+    if dtype.kind == "f":
+        if source is not None and source.kind in "iu":
+            return f"integers are exact up to +-2**{np.finfo(dtype).nmant + 1}"
+        return f"real numbers within +-{float(np.finfo(dtype).max):g}"
+    if dtype.kind in "US":
+        width = dtype.itemsize // (4 if dtype.kind == "U" else 1)
+        return f"{'strings' if dtype.kind == 'U' else 'bytes'} of at most {width} characters"
+    return f"{dtype} values"
+
+
+def _why_not(arr: np.ndarray, dtype: np.dtype) -> str:
+    """Name the first value of ``arr`` that ``dtype`` cannot hold exactly."""
+    flat = arr.reshape(-1)
+    if arr.dtype.kind == "c" and dtype.kind in "biuf":
+        where = np.flatnonzero(flat.imag != 0)
+        if len(where):
+            return (f"{flat[where[0]].item()!r}{_at(where[0], arr)} has an imaginary part, "
+                    f"and a {dtype} column holds {_range(dtype)}")
+        flat = flat.real
+    if flat.dtype.kind in "biuf" and dtype.kind in "biuf":
+        with np.errstate(all="ignore"):
+            if dtype.kind == "b":
+                bad = ~((flat == 0) | (flat == 1))
+            elif flat.dtype.kind == "f" and dtype.kind == "f":
+                bad = np.isinf(flat.astype(dtype)) & np.isfinite(flat)
+            else:
+                bad = flat.astype(dtype).astype(flat.dtype) != flat
+        where = np.flatnonzero(bad)
+        if len(where):
+            return (f"{flat[where[0]].item()!r}{_at(where[0], arr)} does not fit in {dtype} "
+                    f"({_range(dtype, flat.dtype)})")
+    if arr.dtype.kind in "US" and dtype.kind == arr.dtype.kind:
+        width = dtype.itemsize // (4 if dtype.kind == "U" else 1)
+        long = [v for v in flat.tolist() if len(v) > width]
+        if long:
+            return f"{long[0]!r} does not fit in {dtype} ({_range(dtype)})"
+    return (f"{arr.dtype} values cannot be stored in a {dtype} column ({_range(dtype)}) "
+            "without losing information")
+
+
+def _at(i: int, arr: np.ndarray) -> str:
+    if arr.ndim == 0:
+        return ""
+    return f" (at index {tuple(int(j) for j in np.unravel_index(i, arr.shape))})"
 
 
 def scalar_fast_path(value, dtype: np.dtype) -> bool:

@@ -122,12 +122,28 @@ class WindowFinder:
         starts = self.ring.committed_rows()
         valid = self.valid(starts, length, tail)
         if not len(valid):
-            raise NotEnoughDataError(
-                f"no window of length {length} fits in the buffer yet: it holds "
-                f"{len(starts)} committed steps, and a window must lie in one writer "
-                "stream without continuing past a terminal step; wait with "
-                "wait_ready(min_steps=..., timeout=...) or ask for shorter windows")
+            raise NotEnoughDataError(self._no_window_message(len(starts), length, tail))
         return rng.choice(valid, need)
+
+    def _no_window_message(self, steps: int, length: int, tail: int) -> str:
+        """Say whether waiting can help: how long the held episodes are."""
+        ring = self.ring
+        hi = ring.episodes_logged()
+        done = ring.read_episodes(np.arange(hi - min(hi, ring.layout.episode_slots), hi))
+        rule = ("a window must lie in one writer stream without continuing past a terminal "
+                "step or an end_episode cut")
+        if len(done) and steps >= length and int(done.length.max()) < length - tail:
+            return (f"no window of length {length} fits in the buffer: it holds {steps} "
+                    f"committed steps, but the longest of its {len(done)} finished episodes "
+                    f"has {int(done.length.max())} steps, and {rule}. Waiting helps only if "
+                    f"episodes get longer; ask for windows of at most "
+                    f"{int(done.length.max()) + tail} steps, or use tail= for rows that may "
+                    "follow an episode's end")
+        longest = (f" (the longest finished episode has {int(done.length.max())})"
+                   if len(done) else "")
+        return (f"no window of length {length} fits in the buffer yet: it holds {steps} "
+                f"committed steps{longest}, and {rule}; wait with "
+                "wait_ready(min_steps=..., timeout=...) or ask for shorter windows")
 
     # -- per episode -------------------------------------------------------------
     def draw_episodes(self, rng: np.random.Generator, batch: int, length: int, tail: int,

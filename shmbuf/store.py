@@ -135,7 +135,7 @@ class Buffer(Shared):
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
                          uniform: str = "steps", newest: int | None = None) -> dict:
-        """Draw ``batch_size`` windows of ``length`` consecutive steps.
+        """Draw ``batch_size`` windows of ``length`` consecutive steps, with replacement.
 
         Start steps are uniform over every valid start: a window lies in one
         writer stream and never continues past a terminal step (it may end on
@@ -214,8 +214,10 @@ class Buffer(Shared):
             f"(capacity {self.capacity}) is too small for its ingest rate")
 
     def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None) -> dict:
-        """Draw ``batch_size`` single steps uniformly: ``{column: (batch, ...)}``.
+        """Draw ``batch_size`` single steps uniformly, with replacement: ``{column: (batch, ...)}``.
 
+        Every live step is equally likely on every draw, so a batch may hold
+        the same step twice (as ``sample_sequences`` may hold a window twice).
         Args and Raises are those of ``sample_sequences`` with ``length=1``.
 
         Example:

@@ -192,3 +192,24 @@ def test_episodes_from_spawned_writers_are_whole_and_sampled_untorn(make_buffer)
     assert len(eps) == 200 and (eps.length == 37).all() and eps.terminal.all()
     ids = check_windows(buf.sample_sequences(4000, 37, uniform="episodes", rng=0))
     assert len(set(ids.tolist())) == 200
+
+
+def test_not_enough_data_says_when_waiting_cannot_help(make_buffer):
+    buf = make_buffer(SPEC, 2000, chunk_size=50)
+    with buf.writer() as w:
+        write_episodes(w, [300, 300])
+        with pytest.raises(shmbuf.NotEnoughDataError) as err:
+            buf.sample_sequences(2, 400)
+        assert "longest of its 2 finished episodes has 300 steps" in str(err.value)
+        assert "Waiting helps only if episodes get longer" in str(err.value)
+        assert "fits in the buffer yet" not in str(err.value)
+
+
+def test_not_enough_data_says_wait_while_the_buffer_fills(make_buffer):
+    buf = make_buffer(SPEC, 2000, chunk_size=50)
+    with buf.writer() as w:
+        write_episodes(w, [3])
+        w.add(obs=np.array([1, 0]), done=False)
+        with pytest.raises(shmbuf.NotEnoughDataError, match="fits in the buffer yet.*"
+                           r"the longest finished episode has 3\).*wait_ready"):
+            buf.sample_sequences(2, 10)

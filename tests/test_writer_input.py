@@ -423,3 +423,31 @@ def test_wait_ready_rejects_bad_arguments(buf, case, kwargs, exc, text):
         buf.wait_ready(**kwargs)
     assert text in str(info.value)
     assert_unchanged(buf, before)
+
+
+@pytest.mark.parametrize("value, dtype, shape, says", [
+    (300, np.uint8, (), "300 does not fit in uint8 (integers 0..255)"),
+    (np.array([1, 2, 300]), np.uint8, (3,), "300 (at index (2,)) does not fit in uint8"),
+    (0.5, np.uint8, (), "0.5 does not fit in uint8"),
+    (2, np.bool_, (), "2 does not fit in bool (False/True or 0/1)"),
+    (2.0, np.bool_, (), "2.0 does not fit in bool"),
+    (1e6, np.float16, (), "1000000.0 does not fit in float16 (real numbers within +-65504)"),
+    (2 ** 24 + 1, np.float32, (), "16777217 does not fit in float32 (integers are exact up to"),
+    (1 + 2j, np.float32, (), "(1+2j) has an imaginary part"),
+    (np.array(["hello world"]), "<U5", (1,), "'hello world' does not fit in <U5"),
+])
+def test_a_lossy_cast_names_the_value_that_does_not_fit(make_buffer, value, dtype, shape, says):
+    buf = make_buffer({"x": (shape, dtype)}, 10)
+    with buf.writer() as w:
+        with pytest.raises(TypeError) as err:
+            w.add(x=value)
+        assert "add(x=...): " + says in str(err.value)
+        assert "nothing was written" in str(err.value)
+        assert len(buf) == 0
+
+
+def test_values_that_fit_are_accepted_whatever_their_dtype(make_buffer):
+    buf = make_buffer({"x": ((3,), np.uint8), "f": ((), np.float32)}, 10)
+    with buf.writer() as w:
+        w.add(x=np.array([0, 7, 255], np.int64), f=np.float64(0.25))
+    assert buf.arrays["x"][0].tolist() == [0, 7, 255]
