@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import secrets
+import sys
 
 import numpy as np
 import posix_ipc
@@ -26,6 +27,19 @@ from ._errors import (BufferClosedError, CorruptSegmentError, SegmentExistsError
 ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
 PREFIX = "shmbuf-"
 SHM_DIR = "/dev/shm"
+
+
+def check_platform(platform: str = sys.platform, shm_dir: str = SHM_DIR) -> None:
+    """Raise ImportError unless this is Linux with POSIX shared memory in ``shm_dir``."""
+    if not platform.startswith("linux") or not os.path.isdir(shm_dir):
+        raise ImportError(
+            f"shmbuf needs Linux with POSIX shared memory mounted at {shm_dir} (it also reads "
+            f"/proc to tell live processes from dead ones); this is {platform!r}"
+            f"{'' if os.path.isdir(shm_dir) else f' without {shm_dir}'}. In a container, "
+            "mount a tmpfs there (docker run --shm-size=...)")
+
+
+check_platform()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 MAX_NAME = 200
 

@@ -41,3 +41,13 @@ def test_other_user_cannot_attach(make_buffer):
         os.close(read_end)
         os.waitpid(pid, 0)
     assert got == bytes([0]), f"child attach result code {got!r} (1: attached, 2: wrong error)"
+
+
+def test_import_refuses_a_platform_without_dev_shm(tmp_path):
+    from shmbuf._segment import check_platform
+
+    check_platform("linux", "/dev/shm")
+    with pytest.raises(ImportError, match="needs Linux.*'darwin'"):
+        check_platform("darwin", "/dev/shm")
+    with pytest.raises(ImportError, match=f"without {tmp_path / 'no'}.*--shm-size"):
+        check_platform("linux", str(tmp_path / "no"))
