@@ -10,13 +10,10 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import shmbuf
 from helpers.planet_workers import (ACTION_SIZE, OBS_SHAPE, append_episodes, check_batch,
                                     episode_length, halve, obs_value, record)
-from shmbuf.compat._episodic import census
 from shmbuf.compat.planet import Episode, Memory, SampleTooLargeError
 
 
@@ -231,10 +228,8 @@ def test_partial_and_in_progress_episodes_are_not_held(memories):
     fill(memory, 0, range(2))
     # A writer that died after 3 of an episode's 11 rows: its rows stay, unheld.
     w = memory.buffer.writer()
-    serial = memory.buffer.next_serial()
     for s in range(3):
-        w.add(x=obs_value(9, 9, s), u=np.zeros(3, np.float32), r=0.0, t=False,
-              serial=serial, length=10)
+        w.add(x=obs_value(9, 9, s), u=np.zeros(3, np.float32), r=0.0, t=False, length=10)
     w.close()
     fill(memory, 0, range(2, 4))
     assert len(memory) == 4
@@ -248,24 +243,6 @@ def test_episodes_longer_than_the_hint_leave_early_but_never_half(memories):
         assert len(memory) == min(k + 1, 2)
     found = draws(memory, 300, 5, length_of=lambda w, k: np.full_like(k, 10))
     assert {k for _, k, _ in found} == {4, 5}
-
-
-@pytest.mark.slow
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), max_size=12),
-       st.integers(1, 5), st.integers(1, 6), st.randoms(use_true_random=False))
-def test_census_matches_a_reference(episodes, keep, tracelen, order):
-    """Episode i has T steps and ``present`` of its T+1 rows; rows come in any order."""
-    rows = [(i, T) for i, (T, present) in enumerate(episodes) for _ in range(min(present, T + 1))]
-    order.shuffle(rows)
-    serial = np.array([r[0] for r in rows], np.int64) + 1000
-    length = np.array([r[1] for r in rows], np.int64)
-    got = census(serial, length, keep)
-    complete = [i for i, (T, present) in enumerate(episodes) if present >= T + 1][-keep:]
-    assert got.serials.tolist() == [1000 + i for i in complete]
-    assert got.lengths.tolist() == [episodes[i][0] for i in complete]
-    starts = sum(max(min(p, T + 1) - tracelen, 0) for T, p in episodes)
-    assert got.total_starts(tracelen) == starts
 
 
 # -- the memory guard ------------------------------------------------------------------
@@ -290,7 +267,7 @@ def test_memory_guard_default_is_200_mib_and_raises_before_reading(memories):
 
 
 def test_memory_guard_threshold_is_configurable(memories):
-    row = 6 * 4 + ACTION_SIZE * 4 + 4 + 1 + 8 + 8  # x, u, r, t and the two hidden int64
+    row = 6 * 4 + ACTION_SIZE * 4 + 4 + 1 + 8  # x, u, r, t and the hidden int64 length
     need = 5 * (3 + 1) * row                       # batch 5, tracelen 3
     memory = small(memories, max_sample_bytes=need)
     fill(memory)
@@ -312,7 +289,7 @@ def test_memory_guard_threshold_is_configurable(memories):
 
 def test_small_threshold_still_samples_in_rounds(memories):
     # Room for the batch and one candidate window: rejected slots refill one at a time.
-    row = 6 * 4 + ACTION_SIZE * 4 + 4 + 1 + 8 + 8
+    row = 6 * 4 + ACTION_SIZE * 4 + 4 + 1 + 8
     memory = small(memories, size=3, max_sample_bytes=9 * 3 * row)
     fill(memory, 0, range(6))   # 6 episodes stored, 3 held: many candidates rejected
     for _ in range(10):

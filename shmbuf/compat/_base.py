@@ -1,4 +1,4 @@
-"""What every seed facade shares: lifecycle, handles, attach, checkpoints, writers.
+"""What every seed facade shares: a core buffer, attach, checkpoints, writers.
 
 A facade owns one core ``Buffer`` (``self.buffer``) and keeps its own
 constructor parameters in the buffer's JSON metadata, so that
@@ -9,7 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import store
-from .._errors import BufferClosedError, CorruptSegmentError
+from .._errors import CorruptSegmentError
+from .._handle import Shared
 
 _REGISTRY: dict[str, type] = {}
 
@@ -51,13 +52,17 @@ def to_numpy(value):
     return value
 
 
-class Facade:
-    """Base of the seed facades; subclasses set FACADE and implement ``_setup``."""
+class Facade(Shared):
+    """Base of the seed facades; subclasses set FACADE and implement ``_setup``.
+
+    The lifecycle is ``Shared``'s: the facade is open while its ``buffer``
+    is, closing it releases this process's writer and closes the buffer
+    (the owner's close unlinks), and pickling sends the name.
+    """
 
     FACADE = ""
     buffer = None
     _writer = None
-    _closed = False
 
     # -- construction ---------------------------------------------------------
     def _create(self, spec: dict, capacity: int, params: dict, *, name=None, seed=None,
@@ -66,6 +71,7 @@ class Facade:
         self.buffer = store.create(spec, capacity, name=name, seed=seed, chunk_size=chunk_size,
                                    done_key=done_key,
                                    meta={"facade": self.FACADE, "params": params})
+        self._track(self.buffer.name, owner=True)
         self._setup(params)
 
     def _setup(self, params: dict) -> None:
@@ -83,31 +89,27 @@ class Facade:
         Example:
             >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f")
         """
-        buffer = store.attach(name, seed=seed)
+        return cls._from_buffer(store.attach(name, seed=seed))
+
+    @classmethod
+    def _from_buffer(cls, buffer):
+        """The facade over attached ``buffer``; closes it if another facade made it."""
         try:
-            return cls._from_buffer(buffer)
+            made_by = buffer.meta.get("facade")
+            if made_by != cls.FACADE:
+                raise CorruptSegmentError(
+                    f"segment {buffer.name!r} was made by {made_by or 'shmbuf.create'}, not by "
+                    f"{cls.__name__}; attach it with the matching class or shmbuf.attach")
+            self = cls.__new__(cls)
+            self.buffer = buffer
+            self._track(buffer.name, owner=buffer.owner)
+            self._setup(buffer.meta["params"])
+            return self
         except BaseException:
             buffer.close()
             raise
 
-    @classmethod
-    def _from_buffer(cls, buffer):
-        made_by = buffer.meta.get("facade")
-        if made_by != cls.FACADE:
-            raise CorruptSegmentError(
-                f"segment {buffer.name!r} was made by {made_by or 'shmbuf.create'}, not by "
-                f"{cls.__name__}; attach it with the matching class or shmbuf.attach")
-        self = cls.__new__(cls)
-        self.buffer = buffer
-        self._setup(buffer.meta["params"])
-        return self
-
-    # -- identity and lifecycle -----------------------------------------------
-    @property
-    def name(self) -> str:
-        """The shared-memory name, for ``attach`` in another process."""
-        return self.buffer.name
-
+    # -- writers and lifecycle --------------------------------------------------
     def _get_writer(self):
         """This process's writer, made on first use (a forked child gets its own)."""
         if self._writer is None:
@@ -119,32 +121,10 @@ class Facade:
         if writer is not None:
             writer.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"{type(self).__name__} {self.name!r} is closed")
-
-    def close(self) -> None:
-        """Release this process's writer and mapping; the owner also unlinks.  Idempotent.
-
-        Afterwards every method raises ``BufferClosedError``.
-        """
-        self._closed = True
+    def _release(self) -> None:
         self._drop_writer()
         if self.buffer is not None:
             self.buffer.close()
-
-    def unlink(self) -> None:
-        """Remove the segment's name now (owner only)."""
-        self.buffer.unlink()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __reduce__(self):
-        return type(self).attach, (self.name,)
 
     # -- checkpoints --------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,9 +1,10 @@
-"""Batched info dicts as fixed columns: schema inference, validation, output types.
+"""Batched info dicts as fixed columns: schema inference, validation, checkpoint format.
 
 A HistoryBuffer stores every info key as one column of keyed rings.  The
 schema (per-env per-step shape, numpy dtype, and whether ``get`` returns
 torch tensors) is fixed by ``spec=`` or by the first append; every later
 append is validated against it completely before anything is written.
+Pure functions: nothing here touches shared memory or a HistoryBuffer.
 """
 from __future__ import annotations
 
@@ -164,3 +165,74 @@ def schema_from_meta(meta: list, spec: dict) -> tuple[KeySchema, ...]:
         shape, dtype = spec[f"k{i}"]
         out.append(KeySchema(key, f"k{i}", tuple(shape), np.dtype(dtype), bool(torch), device))
     return tuple(out)
+
+
+# -- checkpoints: torch tensors and plain values only ------------------------------------
+CHECKPOINT_FORMAT = "shmbuf-history-v1"
+
+
+def checkpoint(schema: tuple[KeySchema, ...], params: dict, lengths: np.ndarray,
+               entries: dict) -> dict:
+    """A HistoryBuffer state from ``KeyedRings.snapshot()``'s ``(lengths, {column: entries})``.
+
+    ``entries[key]`` holds every env's live entries concatenated, env 0
+    first, each env oldest first.  String columns (which torch cannot hold)
+    travel as their raw bytes in a uint8 tensor; ``spec`` gives the dtype.
+    """
+    import torch
+
+    def tensor(arr):
+        if arr.dtype.kind in "USV":
+            arr = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).copy()
+        return torch.from_numpy(np.ascontiguousarray(arr))
+
+    return {"format": CHECKPOINT_FORMAT, "facade": "HistoryBuffer", **params,
+            "keys": [s.key for s in schema],
+            "spec": {s.key: [list(s.shape), s.dtype.str] for s in schema},
+            "torch": {s.key: [s.torch, s.device] for s in schema},
+            "lengths": torch.from_numpy(np.asarray(lengths, np.int64)),
+            "entries": {s.key: tensor(entries[s.column]) for s in schema}}
+
+
+def read_checkpoint(state: dict, n_envs: int) -> tuple[tuple[KeySchema, ...], np.ndarray, dict]:
+    """``(schema, lengths, {key: entries})`` of a numpy ``checkpoint``; ValueError if it is not one."""
+    if state.get("format") != CHECKPOINT_FORMAT or state.get("facade") != "HistoryBuffer":
+        raise ValueError(f"state: expected a HistoryBuffer checkpoint of format "
+                         f"{CHECKPOINT_FORMAT!r}, got format {state.get('format')!r} by "
+                         f"{state.get('facade')!r}")
+    if state.get("n_envs") != n_envs:
+        raise ValueError(f"state: checkpoint has n_envs={state.get('n_envs')}, this buffer "
+                         f"has n_envs={n_envs}")
+    try:
+        schema = tuple(
+            KeySchema(key, f"k{i}", tuple(int(d) for d in state["spec"][key][0]),
+                      np.dtype(state["spec"][key][1]), bool(state["torch"][key][0]),
+                      str(state["torch"][key][1]))
+            for i, key in enumerate(state["keys"]))
+    except (KeyError, TypeError, IndexError) as exc:
+        raise ValueError(f"state: malformed HistoryBuffer checkpoint ({exc!r})") from None
+    lengths = np.asarray(state["lengths"]).astype(np.int64)
+    if lengths.shape != (n_envs,) or (lengths < 0).any():
+        raise ValueError(f"state['lengths']: expected {n_envs} non-negative counts, "
+                         f"got {lengths.tolist()}")
+    total = int(lengths.sum())
+    entries = {}
+    for s in schema:
+        label = f"state['entries'][{s.key!r}]"
+        arr = np.asarray(state["entries"].get(s.key))
+        if s.dtype.kind in "USV":
+            if arr.dtype != np.uint8 or arr.ndim != 1 or arr.size % (s.dtype.itemsize or 1):
+                raise ValueError(f"{label}: expected the raw bytes of {s.dtype} values")
+            arr = arr.view(s.dtype)
+            per = int(np.prod(s.shape, dtype=np.int64))
+            if arr.size % per:
+                raise ValueError(f"{label}: {arr.size} values do not split into entries of "
+                                 f"{s.shape}")
+            arr = arr.reshape((-1,) + s.shape)
+        if arr.shape[1:] != s.shape or arr.dtype != s.dtype:
+            raise ValueError(f"{label}: expected entries of shape {s.shape} and dtype "
+                             f"{s.dtype}, got {arr.shape[1:]} and {arr.dtype}")
+        if len(arr) != total:
+            raise ValueError(f"{label}: {len(arr)} entries, but lengths add up to {total}")
+        entries[s.key] = arr
+    return schema, lengths, entries

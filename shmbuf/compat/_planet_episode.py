@@ -1,14 +1,17 @@
 """PlaNet's ``Episode``: recorded step by step in one process, stacked, laid out as rows.
 
-Besides the class: the checks of what ``Episode.append`` records (numbers,
-scalars), of the episodes that ``Memory.append`` takes (``episode_list``),
-and the rows that ``Memory`` stores for an episode (``episode_rows``).
+Besides the class, pure functions for ``Memory``: the checks of what
+``Episode.append`` records (numbers, scalars) and of the episodes that
+``Memory.append`` takes (``episode_list``); the rows ``Memory`` stores for an
+episode (``episode_rows``); and its checkpoint format, the core's snapshot
+cut down to the held episodes (``held_rows``, ``runs_of``, ``check_schema``).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from .._cast import coerce
+from .._checkpoint import FORMAT
 
 
 class Episode:
@@ -176,3 +179,60 @@ def _scalar(label: str, value) -> np.ndarray:
 
 def _identity(x):
     return x
+
+
+def storage_dtype(arg: str, dtype) -> np.dtype:
+    """``Memory(obs_dtype=...)`` / ``action_dtype``: a numeric or bool numpy dtype."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"Memory({arg}=...): {dtype!r} is not a numpy dtype") from None
+    if dt.kind not in "biuf":
+        raise TypeError(f"Memory({arg}=...): expected a numeric or bool dtype, got {dt}")
+    return dt
+
+
+# -- checkpoints --------------------------------------------------------------------
+
+def held_rows(held, stream: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    """Rows of a snapshot in whole ``held`` episodes (``Buffer.episodes``), episode by episode."""
+    ids = held.stream.astype(np.int64) << 32 | held.ep
+    rows = np.asarray(stream, np.int64) << 32 | np.asarray(episode, np.int64)
+    if not len(ids):
+        return np.empty(0, np.int64)
+    sorter = np.argsort(ids)
+    which = sorter[np.minimum(np.searchsorted(ids, rows, sorter=sorter), len(ids) - 1)]
+    which[ids[which] != rows] = -1
+    whole = np.bincount(which[which >= 0], minlength=len(ids)) == held.length
+    keep = np.flatnonzero((which >= 0) & whole[np.maximum(which, 0)])
+    return keep[np.argsort(which[keep], kind="stable")]
+
+
+def runs_of(state: dict, spec: dict) -> list[dict]:
+    """A checkpoint's episodes as runs of rows (consecutive rows of one stream and episode)."""
+    n = len(state["stream"])
+    columns = {k: coerce(f"state['columns'][{k!r}]", state["columns"].get(k), dtype,
+                         (n,) + shape) for k, (shape, dtype) in spec.items()}
+    ids = np.asarray(state["stream"], np.int64) << 32 | np.asarray(state["episode"], np.int64)
+    return [{k: v[rows] for k, v in columns.items()}
+            for rows in np.split(np.arange(n), np.flatnonzero(np.diff(ids)) + 1) if len(rows)]
+
+
+def check_schema(mine: dict, spec: dict) -> dict:
+    """``mine`` if a checkpoint's ``spec`` matches it; ValueError naming both otherwise."""
+    try:
+        got = {k: (list(v[0]), np.dtype(v[1]).str) for k, v in spec.items()}
+    except (IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"state: not a PlaNet Memory schema: {spec!r}") from exc
+    want = {k: (list(v[0]), np.dtype(v[1]).str) for k, v in mine.items()}
+    if want != got:
+        raise ValueError(f"state: checkpoint schema {got} does not match this Memory's "
+                         f"{want}; create the Memory with matching obs_dtype / action_dtype")
+    return mine
+
+
+def empty_snapshot(spec: dict) -> dict:
+    """A core snapshot of no steps (what ``Buffer.restore`` takes to empty a store)."""
+    return {"format": FORMAT, "spec": {k: (list(s), np.dtype(d).str) for k, (s, d) in spec.items()},
+            "columns": {k: np.empty((0,) + s, d) for k, (s, d) in spec.items()},
+            "stream": np.empty(0, np.int64), "episode": np.empty(0, np.int64)}

@@ -8,18 +8,17 @@ deliberate differences from upstream.
 """
 from __future__ import annotations
 
-import errno
 import functools
-import os
 
 import numpy as np
 
 from .. import keyed
 from .._args import check_int
+from .._errors import CorruptSegmentError, SchemaPendingError
+from .._handle import Shared
+from .._segment import Reservation, generate_name
 from .._strided import contiguous_window
-from .._errors import BufferClosedError, SchemaPendingError, SegmentExistsError
-from .._segment import SHM_DIR, generate_name, validate_name
-from . import _history_out, _history_segment, _infos
+from . import _history_out, _infos
 from ._base import to_numpy
 
 def _block_keys(block_keys) -> frozenset:
@@ -29,7 +28,7 @@ def _block_keys(block_keys) -> frozenset:
     return frozenset(block_keys)
 
 
-class HistoryBuffer:
+class HistoryBuffer(Shared):
     """Per-env ring buffer over batched info dicts, shared across processes.
 
     Drop-in for ``stable_worldmodel.buffer.HistoryBuffer``: ``append`` takes a
@@ -58,11 +57,12 @@ class HistoryBuffer:
     ``spec=``); lists, None and other objects are a TypeError.  Torch inputs
     come back as torch tensors on the input's device; numpy as numpy.
 
-    Sharing: the segment needs the schema, so it is created by ``spec=`` in
-    the constructor or by the first append **in the constructing process**;
-    that process owns it and unlinks it on ``close()``, garbage collection or
-    exit.  The name is fixed at construction, so a handle pickled earlier (to
-    a spawned worker) attaches lazily once the segment exists; before that its
+    Sharing: the constructor takes the segment's name (a taken name raises
+    ``SegmentExistsError`` there), but the segment is sized only once the
+    schema is known: by ``spec=`` or by the first append **in the
+    constructing process**, which owns it and unlinks it on ``close()``,
+    garbage collection or exit.  A handle pickled earlier (to a spawned
+    worker) attaches lazily once the segment is sized; before that its
     ``get`` returns None and its ``append`` raises ``SchemaPendingError``.
     Pass ``spec=`` when workers may append first.  Each env must be appended
     by one process (and thread) at a time (``append(info, env_ids=[...])``);
@@ -92,24 +92,20 @@ class HistoryBuffer:
         >>> buf.get(3)['pixels'].shape   # (2, 3, 64, 64, 3)
     """
 
+    KIND_NAME = "HistoryBuffer"
     SPARE = keyed.DEFAULT_SPARE
     _rings = None
     _schema = None
-    _closed = False
-    _creator = False
-    _creator_pid = -1
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
                  spec=None, seed=None, name: str | None = None):
         self._set_params(check_int("n_envs", n_envs), check_int("max_len", max_len),
                          check_int("action_block", action_block), _block_keys(block_keys))
         schema = _infos.schema_from_spec(spec) if spec is not None else None
-        self._name = generate_name() if name is None else validate_name(name)
-        if os.path.exists(os.path.join(SHM_DIR, self._name)):
-            raise SegmentExistsError(errno.EEXIST, f"segment {self._name!r} already exists; pick "
-                                     "another name or attach with HistoryBuffer.attach")
-        self._creator, self._creator_pid = True, os.getpid()
         self.rng = np.random.default_rng(seed)
+        # The name is taken now; the first append sizes the segment (see the class doc).
+        self._reservation = Reservation(generate_name() if name is None else name)
+        self._track(self._reservation.name, owner=True, resource=self._reservation)
         if schema is not None:
             self._create(schema)
 
@@ -122,28 +118,53 @@ class HistoryBuffer:
         return {"n_envs": self.n_envs, "max_len": self.max_len,
                 "action_block": self.action_block, "block_keys": sorted(self.block_keys)}
 
-    # -- the segment ------------------------------------------------------------
+    # -- the keyed rings ------------------------------------------------------------
     def _create(self, schema) -> None:
-        """Create the segment for ``schema`` (``_history_state`` restores through this)."""
-        _history_segment.create(self, schema)
+        """Size the reserved segment as keyed rings for ``schema``; they own the name now."""
+        meta = {"facade": "HistoryBuffer", "params": self._params(),
+                "keys": _infos.schema_meta(schema)}
+        try:
+            rings = keyed.create({s.column: (s.shape, s.dtype) for s in schema}, self.n_envs,
+                                 self.max_len, spare=self.SPARE, meta=meta,
+                                 reservation=self._reservation)
+        except ValueError as exc:
+            if "meta" in str(exc):
+                raise ValueError(f"HistoryBuffer: the key names are too long to record "
+                                 f"({exc}); use fewer or shorter keys") from None
+            raise
+        self._disown()
+        self._bind(rings, schema)
 
     def _bind(self, rings, schema) -> None:
         self._rings, self._schema = rings, schema
         self._layout = _history_out.Layout(schema, self.block_keys, self.action_block)
         self._ring_views = rings.views
 
-    def _may_create(self) -> bool:
-        return self._creator and os.getpid() == self._creator_pid
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BufferClosedError(f"HistoryBuffer {self._name!r} is closed")
+    def _adopt(self, rings, params_from_rings: bool = False) -> None:
+        """Bind attached ``rings`` once they prove to be this HistoryBuffer's; else close them."""
+        try:
+            meta = rings.meta
+            if meta.get("facade") != "HistoryBuffer":
+                raise CorruptSegmentError(f"segment {rings.name!r} holds keyed rings that were "
+                                          "not made by a HistoryBuffer")
+            if params_from_rings:
+                self._set_params(**meta["params"])
+            elif meta["params"] != self._params():
+                raise CorruptSegmentError(f"segment {rings.name!r} was made with "
+                                          f"{meta['params']}, but this handle expects "
+                                          f"{self._params()}")
+            self._bind(rings, _infos.schema_from_meta(meta["keys"], rings.spec))
+        except BaseException:
+            rings.close()
+            raise
 
     def _ensure(self):
         """The rings, attaching lazily in other processes; None while there is no schema."""
         self._check_open()
-        if self._rings is None and not self._may_create():
-            _history_segment.attach_lazily(self)
+        if self._rings is None and not self.owner:
+            rings = keyed.attach_if_published(self._name)
+            if rings is not None:
+                self._adopt(rings)
         return self._rings
 
     def _env_ids(self, env_ids, verb: str, distinct: bool = False) -> np.ndarray:
@@ -186,13 +207,12 @@ class HistoryBuffer:
             >>> buf.append({'pixels': frames[:2], 'action': acts[:2]}, env_ids=[0, 1])
         """
         envs = self._env_ids(env_ids, "append", distinct=True)
-        rings = self._ensure()
-        if rings is None:
-            if not self._may_create():
+        if self._ensure() is None:
+            if not self.owner:
                 raise SchemaPendingError(
                     f"HistoryBuffer {self._name!r} has no schema yet: only the process that "
                     "constructed it creates it, at its first append; pass spec= to the "
-                    "constructor so that workers can append first (or the buffer was closed)")
+                    "constructor so that workers can append first")
             schema = _infos.schema_from_info(info_dict, len(envs))
             values = _infos.coerce_info(schema, info_dict, len(envs))
             self._create(schema)
@@ -297,56 +317,41 @@ class HistoryBuffer:
         return int(self._lengths().min())
 
     # -- identity and lifecycle ---------------------------------------------------
-    @property
-    def name(self) -> str:
-        """The shared-memory name, for ``HistoryBuffer.attach(name)``."""
-        return self._name
-
-    @property
-    def owner(self) -> bool:
-        """True in the constructing process, which unlinks the segment."""
-        return self._may_create()
-
     @classmethod
     def attach(cls, name: str) -> "HistoryBuffer":
         """Attach to a HistoryBuffer made by another process; never unlinks it.
 
+        Waits (a few seconds at most) for a constructor that has not sized
+        the segment yet.
+
         Raises:
-            SegmentNotFoundError: no such segment (or it has no schema yet).
-            CorruptSegmentError: the segment is not a HistoryBuffer.
+            SegmentNotFoundError: no such segment.
+            CorruptSegmentError: the segment is not a HistoryBuffer (or got no
+                schema in time).
 
         Example:
             >>> planner_view = HistoryBuffer.attach("shmbuf-1a2b3c4d5e6f")
         """
-        rings = keyed.attach(name)
-        self = _history_segment.new_handle(cls, name)
-        _history_segment.bind_attached(self, rings, adopt=True)
+        return cls._from_rings(keyed.attach(name))
+
+    @classmethod
+    def _from_rings(cls, rings, params: dict | None = None) -> "HistoryBuffer":
+        """A handle on attached ``rings``, with their parameters or (checked) ``params``."""
+        self = cls.__new__(cls)
+        self.rng = np.random.default_rng()
+        self._track(rings.name, owner=False)
+        if params is not None:
+            self._set_params(**params)
+        self._adopt(rings, params_from_rings=params is None)
         return self
 
-    def close(self) -> None:
-        """Unmap in this process; the constructing process also unlinks.  Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
         if self._rings is not None:
             self._rings.close()
-
-    def unlink(self) -> None:
-        """Remove the segment's name now (constructing process only)."""
-        if not self._may_create():
-            raise PermissionError(f"HistoryBuffer {self._name!r} was not constructed in this "
-                                  "process; only its owner unlinks it")
-        if self._rings is not None:
-            self._rings.unlink()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+        self._ring_views = None
 
     def __reduce__(self):
-        return _rebuild, (self._name, self._params(), self._rings is not None)
+        return _rebuild, (self._name, self._params())
 
     def __repr__(self):
         state = "closed" if self._closed else ("no schema yet" if self._rings is None else
@@ -365,9 +370,12 @@ class HistoryBuffer:
         Example:
             >>> torch.save(buf.state_dict(), "history.pt")
         """
-        from . import _history_state
-
-        return _history_state.state_dict(self)
+        rings = self._ensure()
+        if rings is None:
+            lengths, entries = np.zeros(self.n_envs, np.int64), {}
+        else:
+            lengths, entries = rings.snapshot()
+        return _infos.checkpoint(self._schema or (), self._params(), lengths, entries)
 
     def load_state_dict(self, state: dict) -> None:
         """Replace every env's history with a ``state_dict``'s, in order.
@@ -382,15 +390,30 @@ class HistoryBuffer:
         Example:
             >>> buf.load_state_dict(torch.load("history.pt", weights_only=True))
         """
-        from . import _history_state
+        theirs, lengths, entries = _infos.read_checkpoint(to_numpy(dict(state)), self.n_envs)
+        if self._ensure() is not None:
+            mine = {s.key: (s.shape, s.dtype.str) for s in self._schema}
+            other = {s.key: (s.shape, s.dtype.str) for s in theirs}
+            if mine != other:
+                raise ValueError(f"state: checkpoint schema {other} does not match this "
+                                 f"buffer's {mine}")
+        elif not theirs:
+            return
+        elif not self.owner:
+            raise SchemaPendingError(f"HistoryBuffer {self._name!r} has no schema yet; "
+                                     "restore in the constructing process")
+        else:
+            self._create(theirs)
+        self._rings.restore(lengths, {s.column: entries[s.key] for s in self._schema})
 
-        _history_state.load_state_dict(self, to_numpy(dict(state)))
 
-
-def _rebuild(name: str, params: dict, created: bool) -> HistoryBuffer:
-    self = _history_segment.new_handle(HistoryBuffer, name)
-    self._set_params(params["n_envs"], params["max_len"], params["action_block"],
-                     params["block_keys"])
-    if created:
-        _history_segment.bind_attached(self, keyed.attach(name))
+def _rebuild(name: str, params: dict) -> HistoryBuffer:
+    """Unpickle: attach now if the segment is sized, else a handle that attaches lazily."""
+    rings = keyed.attach_if_published(name)   # SegmentNotFoundError once the owner closed
+    if rings is not None:
+        return HistoryBuffer._from_rings(rings, params)
+    self = HistoryBuffer.__new__(HistoryBuffer)
+    self.rng = np.random.default_rng()
+    self._set_params(**params)
+    self._track(name, owner=False)
     return self

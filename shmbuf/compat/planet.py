@@ -3,12 +3,12 @@
 An ``Episode`` is recorded in one process.  ``Memory.append`` writes each
 terminated episode into the core store as one contiguous run of ``T + 1``
 rows of this process's writer stream (the last row carries the final
-observation), then cuts the stream with ``end_episode``, so no window spans
-two episodes.  Two hidden columns repeat the episode's serial and length on
-every row; ``_episodic`` works out from them which episodes are held and how
-to draw them uniformly per episode from the core's per-start draws.
-``Episode`` itself lives in ``_planet_episode`` (re-exported here), and the
-checkpoint logic in ``_planet_state``.
+observation), then ends it with ``end_episode``, so no window spans two
+episodes and the core's episode index lists it.  The held episodes are the
+newest ``size`` of that index (``Buffer.episodes``), and ``sample`` is the
+core's per-episode draw (``uniform="episodes"``).  One hidden column repeats
+the episode's ``T`` on each of its rows, for ``sample``'s ``lengths``.
+``Episode`` itself lives in ``_planet_episode`` (re-exported here).
 """
 from __future__ import annotations
 
@@ -17,13 +17,10 @@ import threading
 import numpy as np
 
 from .._args import check_int
-from .._errors import (NotEnoughDataError, SampleRetryError,
-                       SampleTooLargeError)
-from . import _planet_state
-from ._base import Facade, register, to_numpy
-from ._episodic import Batch, Draw, census, committed_rows, row_bytes
-from ._episodic import capacity as store_capacity
-from ._planet_episode import Episode, episode_list, episode_rows
+from .._errors import NotEnoughDataError, SampleTooLargeError
+from ._base import Facade, register, to_numpy, to_torch
+from ._planet_episode import (Episode, check_schema, empty_snapshot, episode_list, episode_rows,
+                              held_rows, runs_of, storage_dtype)
 from ._transitions import check_shape
 
 __all__ = ["Episode", "Memory"]
@@ -42,7 +39,7 @@ class Memory(Facade):
     Sizes, as upstream: ``len(memory)`` is the number of episodes held and the
     ``size`` *property* is the number of transitions they hold; the
     constructor's ``size`` is ``max_episodes``.  An episode is held once its
-    append has finished; episodes leave in the order their appends began,
+    append has finished; episodes leave in the order their appends finished,
     across all processes.
 
     The shared store is allocated up front with ``capacity = ceil(1.25 *
@@ -99,11 +96,12 @@ class Memory(Facade):
         if action_size is not None:
             action_size = check_int("Memory(action_size=...)", action_size)
         self._schema = {"obs_shape": obs_shape, "action_size": action_size,
-                        "obs_dtype": _dtype("obs_dtype", obs_dtype),
-                        "action_dtype": _dtype("action_dtype", action_dtype)}
+                        "obs_dtype": storage_dtype("obs_dtype", obs_dtype),
+                        "action_dtype": storage_dtype("action_dtype", action_dtype)}
         self._pending = {"name": name, "seed": seed}
         self._rng = np.random.default_rng(seed)
         self._setup(params)
+        self._track(None, owner=True)   # open; the segment comes with the schema
         if obs_shape is not None and action_size is not None:
             self._materialize(self._spec(obs_shape, action_size))
 
@@ -118,10 +116,16 @@ class Memory(Facade):
         s = self._schema
         return {"x": (tuple(obs_shape), s["obs_dtype"]), "u": ((action_size,), s["action_dtype"]),
                 "r": ((), np.dtype(np.float32)), "t": ((), np.dtype(np.bool_)),
-                "serial": ((), np.dtype(np.int64)), "length": ((), np.dtype(np.int64))}
+                "length": ((), np.dtype(np.int64))}
 
     def _capacity(self) -> tuple[int, int]:
-        return store_capacity(self._params["size"], self._params["steps_per_episode"])
+        """(rows, chunk_size): ``size`` episodes of ``steps_per_episode`` steps, plus 25%.
+
+        Chunks are at most 1/64 of the store, so the headroom is at least 16
+        chunks: room for the partly filled chunks of a dozen concurrent writers.
+        """
+        rows = -(-self._params["size"] * (self._params["steps_per_episode"] + 1) * 5 // 4)
+        return rows, max(1, min(512, rows // 64))
 
     def _materialize(self, spec: dict) -> None:
         capacity, chunk = self._capacity()
@@ -171,16 +175,19 @@ class Memory(Facade):
     @property
     def size(self) -> int:
         """Total transitions (steps) in the held episodes, as upstream's ``size``."""
-        return int(self._census().lengths.sum())
+        rows = self._held_rows()
+        return int(rows.sum()) - len(rows)   # an episode of T steps is T + 1 rows
 
     def __len__(self) -> int:
         """Number of episodes held."""
-        return len(self._census().serials)
+        return len(self._held_rows())
 
-    @property
-    def name(self) -> str | None:
-        """The shared-memory name, or None until the shared segment exists."""
-        return None if self.buffer is None else self.buffer.name
+    def _held_rows(self) -> np.ndarray:
+        """Rows of each held episode (the newest ``size`` the core indexed), oldest first."""
+        self._check_open()
+        if self.buffer is None:
+            return np.empty(0, np.int64)
+        return self.buffer.episodes(newest=self.max_episodes).length
 
     # -- writing ------------------------------------------------------------------
     def append(self, episodes) -> None:
@@ -215,15 +222,21 @@ class Memory(Facade):
                 self._materialize(spec)
             elif self.buffer.spec != spec:  # another thread created it meanwhile
                 runs = [self._run(i, ep, self.buffer.spec) for i, ep in enumerate(episodes)]
-            writer = self._get_writer()
+            self._write(runs)
+
+    def _write(self, runs) -> None:
+        """Each run's rows, then ``end_episode``: the core indexes the episode there."""
+        writer = self._get_writer()
+        try:
             for run in runs:
-                serial, steps = self.buffer.next_serial(), len(run["x"]) - 1
-                try:
-                    for i in range(steps + 1):
-                        writer.add(x=run["x"][i, ...], u=run["u"][i, ...], r=run["r"][i, ...],
-                                   t=run["t"][i, ...], serial=serial, length=steps)
-                finally:
-                    writer.end_episode()  # even a cut-short episode ends here
+                steps = len(run["x"]) - 1
+                for i in range(steps + 1):
+                    writer.add(x=run["x"][i, ...], u=run["u"][i, ...], r=run["r"][i, ...],
+                               t=run["t"][i, ...], length=steps)
+                writer.end_episode()
+        except BaseException:
+            self._drop_writer()   # its stream ends unfinished: a cut-short run is never held
+            raise
 
     def _infer_spec(self, episode: Episode) -> dict:
         obs_shape, action_size = self._schema["obs_shape"], self._schema["action_size"]
@@ -252,7 +265,8 @@ class Memory(Facade):
         """Draw sub-sequences of held episodes: episodes uniformly, with replacement.
 
         Only episodes of length >= ``tracelen`` are eligible, each equally
-        likely whatever its length; the start within it is uniform.
+        likely whatever its length; the start within it is uniform.  The
+        cost does not grow with the number of episodes held.
 
         Args:
             batch_size: sequences per batch.
@@ -272,7 +286,7 @@ class Memory(Facade):
             NotEnoughDataError (a ValueError): the memory is empty, or no held
                 episode has ``tracelen`` steps.
             SampleTooLargeError (a MemoryError): the batch, ``batch_size *
-                (tracelen + 1)`` stored rows (all columns, 16 hidden bytes a
+                (tracelen + 1)`` stored rows (all columns, 8 hidden bytes a
                 row included), would exceed ``max_sample_bytes``; nothing is read.
             TypeError / ValueError: a bad argument.
 
@@ -285,52 +299,30 @@ class Memory(Facade):
         tracelen = check_int("Memory.sample(tracelen=...)", tracelen)
         if self.buffer is None:
             raise NotEnoughDataError("Memory is empty; cannot sample.")
-        spec = self.buffer.spec
-        window = (tracelen + 1) * row_bytes(spec)
-        if batch_size * window > self.max_sample_bytes:
+        need = batch_size * (tracelen + 1) * sum(
+            int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            for shape, dtype in self.buffer.spec.values())
+        if need > self.max_sample_bytes:
             raise SampleTooLargeError(
                 f"Memory.sample(batch_size={batch_size}, tracelen={tracelen}) needs "
-                f"{batch_size * window / 2**20:.1f} MiB, more than max_sample_bytes "
+                f"{need / 2**20:.1f} MiB, more than max_sample_bytes "
                 f"({self.max_sample_bytes / 2**20:.1f} MiB); sample fewer or shorter "
                 "sequences, or raise memory.max_sample_bytes")
-        draw = Draw.plan(self._census(), tracelen)
-        out = Batch(spec, batch_size, tracelen, bool(time_first))
-        room = self.max_sample_bytes - batch_size * window
-        self._fill(out, draw, max(1, room // window))
-        return out.result()
-
-    def _fill(self, out: Batch, draw: Draw, per_round: int) -> None:
-        """Draw straight into ``out``, then refill rejected slots in rounds.
-
-        Later rounds hold at most ``per_round`` candidate windows, what the
-        batch leaves of ``max_sample_bytes`` (at least one).
-        """
-        target, budget = out.columns, 64 * len(out.holes) / draw.rate + 4096
-        while len(out.holes):
-            if budget <= 0:
-                raise SampleRetryError("Memory.sample: the held episodes changed faster than "
-                                       "sequences could be drawn from them; try again")
-            m = len(out.holes) if target is not None else int(
-                min(per_round, np.ceil(len(out.holes) / draw.rate * 1.5) + 4))
-            budget -= m
-            cand = self.buffer.sample_sequences(m, draw.tracelen + 1, out=target,
-                                                time_major=out.time_first, rng=self._rng)
-            keep = draw.keep(self._rng, out.first_step(cand["serial"]),
-                             out.first_step(cand["length"]))
-            if target is not None:
-                out.holes, target = np.flatnonzero(~keep), None
-            else:
-                out.fill(cand, np.flatnonzero(keep))
-            if not keep.any():  # the held episodes may have changed: plan again
-                draw = Draw.plan(self._census(), draw.tracelen)
-
-    def _census(self):
-        self._check_open()
-        if self.buffer is None:
-            return census(np.empty(0, np.int64), np.empty(0, np.int64), 1)
-        rows = committed_rows(self.buffer)
-        arrays = self.buffer.arrays
-        return census(arrays["serial"][rows], arrays["length"][rows], self.max_episodes)
+        try:
+            c = self.buffer.sample_sequences(batch_size, tracelen + 1, time_major=bool(time_first),
+                                             rng=self._rng, uniform="episodes",
+                                             newest=self.max_episodes)
+        except NotEnoughDataError:
+            rows = self._held_rows()
+            if not len(rows):
+                raise NotEnoughDataError("Memory is empty; cannot sample.") from None
+            raise NotEnoughDataError(
+                f"No episodes with length >= {tracelen} available to sample: the "
+                f"{len(rows)} held episodes have at most {rows.max() - 1} steps") from None
+        if time_first:
+            return [c["x"]] + [c[k][:tracelen] for k in "urt"], c["length"][0].copy()
+        return ([c["x"]] + [np.ascontiguousarray(c[k][:, :tracelen]) for k in "urt"],
+                c["length"][:, 0].copy())
 
     # -- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -338,12 +330,23 @@ class Memory(Facade):
 
         ``torch.save(memory.state_dict(), path)`` and later
         ``memory.load_state_dict(torch.load(path, weights_only=True))`` work.
+        The format is the core's ``snapshot()`` cut down to the held
+        episodes' rows, episode by episode, plus ``facade``.
 
         Example:
             >>> torch.save(memory.state_dict(), "memory.pt")
         """
         self._check_open()
-        return _planet_state.state_dict(self)
+        if self.buffer is None:
+            state = empty_snapshot({})
+        else:
+            state = self.buffer.snapshot()
+            rows = held_rows(self.buffer.episodes(newest=self.max_episodes), state["stream"],
+                             state["episode"])
+            state["columns"] = {k: v[rows] for k, v in state["columns"].items()}
+            state["stream"], state["episode"] = state["stream"][rows], state["episode"][rows]
+        state["facade"] = self.FACADE
+        return to_torch(state)
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the contents with a ``state_dict``, keeping this Memory's sizes.
@@ -361,14 +364,31 @@ class Memory(Facade):
             >>> fresh.load_state_dict(torch.load("memory.pt", weights_only=True))
         """
         self._check_open()
-        _planet_state.load_state_dict(self, to_numpy(dict(state)))
+        state = to_numpy(dict(state))
+        if state.get("facade") != self.FACADE:
+            raise ValueError(f"state: checkpoint was made by {state.get('facade')!r}, "
+                             f"not {self.FACADE!r}")
+        spec = self._state_spec(state["spec"]) if state.get("spec") else None
+        if spec is None and self.buffer is None:
+            return
+        runs = runs_of(state, spec) if spec is not None else []
+        with self._lock:
+            if self.buffer is None:
+                self._materialize(spec)
+            self._drop_writer()   # its open chunk would otherwise survive the clear
+            self.buffer.restore(empty_snapshot(self.buffer.spec))
+            self._write(runs)
+
+    def _state_spec(self, spec: dict) -> dict:
+        """This Memory's schema (or, with none yet, one with the checkpoint's shapes), checked."""
+        try:
+            mine = self.buffer.spec if self.buffer is not None else self._spec(
+                tuple(spec["x"][0]), int(spec["u"][0][0]))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(f"state: not a PlaNet Memory schema: {spec!r}") from exc
+        return check_schema(mine, spec)
 
     # -- lifecycle --------------------------------------------------------------------
-    def unlink(self) -> None:
-        """Remove the shared segment's name now (creator only); no-op before it exists."""
-        if self.buffer is not None:
-            super().unlink()
-
     def __reduce__(self):
         if self.buffer is None:
             raise TypeError(
@@ -382,15 +402,3 @@ class Memory(Facade):
             return f"<shmbuf PlaNet Memory {self.name!r} closed>"
         return (f"<shmbuf PlaNet Memory {self.name!r} episodes={len(self)}/"
                 f"{self.max_episodes} capacity={self.capacity}>")
-
-
-# -- argument checks ----------------------------------------------------------------
-
-def _dtype(arg: str, dtype) -> np.dtype:
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        raise TypeError(f"Memory({arg}=...): {dtype!r} is not a numpy dtype") from None
-    if dt.kind not in "biuf":
-        raise TypeError(f"Memory({arg}=...): expected a numeric or bool dtype, got {dt}")
-    return dt
