@@ -597,3 +597,216 @@ def test_tensors_share_memory_with_arrays(make_buffer):
     buf.close()
     with pytest.raises(shmbuf.BufferClosedError):
         buf.tensors
+
+
+# -- one lifecycle for every kind: store, keyed rings, facades, HistoryBuffer ---------------
+from shmbuf import keyed  # noqa: E402
+from shmbuf._segment import Segment  # noqa: E402
+
+FRAME = (1, 2, 2)
+
+
+def _history(sized=True):
+    buf = shmbuf.HistoryBuffer(2, 3)
+    if sized:
+        buf.append({"x": np.zeros(2, np.float32)})
+    return buf
+
+
+def _dreamer():
+    rb = shmbuf.ReplayBuffer(16, FRAME, 1, seq_len=2, batch_size=2)
+    rb.add({"image": np.zeros(FRAME, np.uint8)}, np.zeros(1), 0.0, 0.0)
+    return rb
+
+
+def _memory():
+    return shmbuf.Memory(2, steps_per_episode=4, obs_shape=(2,), action_size=1)
+
+
+# factory, an operation that needs the object open
+KINDS = {
+    "store": (lambda: shmbuf.create(SPEC, 16), lambda b: b.stats()),
+    "keyed rings": (lambda: keyed.create({"x": ((), np.float32)}, 2, 2), lambda r: r.lengths()),
+    "HistoryBuffer": (_history, lambda h: h.get(1)),
+    "HistoryBuffer, not sized yet": (lambda: _history(sized=False), lambda h: h.get(1)),
+    "Dreamer ReplayBuffer": (_dreamer, lambda rb: rb.steps),
+    "IRISReplayBuffer": (lambda: shmbuf.IRISReplayBuffer(16, FRAME, 1, seq_len=2),
+                         lambda rb: len(rb)),
+    "PlaNet Memory": (_memory, lambda m: len(m)),
+}
+KIND_IDS = list(KINDS)
+
+
+@pytest.fixture(params=KIND_IDS)
+def kind(request):
+    return KINDS[request.param]
+
+
+def test_every_kind_shares_the_lifecycle_base():
+    from shmbuf._handle import Shared
+
+    for factory, _ in KINDS.values():
+        obj = factory()
+        try:
+            assert isinstance(obj, Shared) and obj.owner and exists(obj.name)
+        finally:
+            obj.close()
+        assert not exists(obj.name)
+
+
+def test_double_close_then_every_use_raises_closed_naming_the_object(kind):
+    factory, use = kind
+    obj = factory()
+    name = obj.name
+    obj.close()
+    obj.close()
+    assert obj.closed and not exists(name) and obj.name == name
+    with pytest.raises(shmbuf.BufferClosedError, match="closed") as info:
+        use(obj)
+    assert repr(name) in str(info.value)
+    assert "closed" in repr(obj)
+
+
+def test_with_block_closes_and_the_owner_unlinks(kind):
+    factory, use = kind
+    with factory() as obj:
+        use(obj)
+    assert obj.closed and not exists(obj.name)
+
+
+def test_pickling_sends_the_name_and_the_copy_never_unlinks(kind):
+    factory, use = kind
+    obj = factory()
+    try:
+        payload = pickle.dumps(obj)
+        assert obj.name.encode() in payload and len(payload) < 400 + len(obj.name)
+        copy = pickle.loads(payload)
+        try:
+            assert type(copy) is type(obj) and copy.name == obj.name and not copy.owner
+            use(copy)
+            with pytest.raises(PermissionError, match=obj.name):
+                copy.unlink()
+        finally:
+            copy.close()
+        assert exists(obj.name), "closing an unpickled copy unlinked the segment"
+        use(obj)
+    finally:
+        obj.close()
+
+
+def test_a_forked_childs_finalizer_and_close_never_unlink(kind):
+    factory, use = kind
+    box = [factory()]
+    obj = box[0]
+    ref = weakref.ref(obj)
+    del obj
+
+    def child():
+        inherited = box[0]
+        assert not inherited.owner
+        with pytest.raises(PermissionError):
+            inherited.unlink()
+        del inherited
+        box.clear()   # the last reference in the child: the finalizers run here
+        gc.collect()
+        assert ref() is None
+    try:
+        assert run_forked(child) == 0
+        assert exists(box[0].name), "a forked child unlinked its parent's segment"
+        assert box[0].owner
+        use(box[0])
+    finally:
+        name = box[0].name
+        box.clear()
+        gc.collect()
+    assert ref() is None and not exists(name), "the owner's finalizer did not unlink"
+
+
+def test_owner_unlink_then_close_is_quiet(kind):
+    factory, use = kind
+    obj = factory()
+    obj.unlink()
+    obj.unlink()
+    assert not exists(obj.name)
+    use(obj)
+    obj.close()
+
+
+# -- HistoryBuffer takes its name at construction --------------------------------------
+def test_history_buffer_name_taken_raises_from_the_real_create():
+    with shmbuf.create(SPEC, 16) as store:
+        with pytest.raises(shmbuf.SegmentExistsError) as info:
+            shmbuf.HistoryBuffer(1, 1, name=store.name)
+        assert info.value.errno == errno.EEXIST and store.name in str(info.value)
+        assert store.stats().steps_written == 0   # untouched
+    with shmbuf.HistoryBuffer(1, 1) as held:      # and the reverse: the constructor holds it
+        assert exists(held.name) and os.path.getsize(os.path.join(SHM, held.name)) == 0
+        for make in (lambda: shmbuf.create(SPEC, 16, name=held.name),
+                     lambda: shmbuf.HistoryBuffer(1, 1, name=held.name),
+                     lambda: keyed.create({"x": ((), np.float32)}, 1, 1, name=held.name)):
+            with pytest.raises(shmbuf.SegmentExistsError):
+                make()
+        held.append({"x": np.ones(1, np.float32)})   # the first append sizes the held name
+        assert held.get(1)["x"].tolist() == [[1.0]]
+
+
+def test_history_buffer_constructor_never_stats_the_name(monkeypatch):
+    def no_exists_check(path):
+        raise AssertionError(f"os.path.exists({path!r}) races with other creators")
+    monkeypatch.setattr(os.path, "exists", no_exists_check)
+    buf = shmbuf.HistoryBuffer(1, 1)
+    monkeypatch.undo()
+    buf.close()
+
+
+def test_an_attacher_that_comes_before_the_first_append_waits_for_it(monkeypatch):
+    buf = shmbuf.HistoryBuffer(2, 3, action_block=1)
+    try:
+        real = Segment.published
+        waited = []
+
+        def published(segment):
+            ready = real(segment)
+            if not ready and not waited:   # the attacher is waiting: the owner appends now
+                waited.append(segment.name)
+                buf.append({"x": np.arange(2, dtype=np.float32)})
+            return ready
+        monkeypatch.setattr(Segment, "published", published)
+        early = shmbuf.HistoryBuffer.attach(buf.name)
+        monkeypatch.undo()
+        try:
+            assert waited == [buf.name]
+            assert not early.owner and early.get(1)["x"].tolist() == [[0.0], [1.0]]
+        finally:
+            early.close()
+    finally:
+        buf.close()
+
+
+def test_shmbuf_attach_maps_the_segment_and_reads_its_header_once(monkeypatch):
+    made = [shmbuf.create(SPEC, 16), _history(), _dreamer()]
+    calls = {"attach": 0, "header": 0}
+    real_attach, real_header = Segment.attach.__func__, Segment.header
+
+    def attach(cls, name):
+        calls["attach"] += 1
+        return real_attach(cls, name)
+
+    def header(self, *args, **kwargs):
+        calls["header"] += 1
+        return real_header(self, *args, **kwargs)
+    try:
+        for obj in made:
+            monkeypatch.setattr(Segment, "attach", classmethod(attach))
+            monkeypatch.setattr(Segment, "header", header)
+            calls.update(attach=0, header=0)
+            other = shmbuf.attach(obj.name)
+            monkeypatch.undo()
+            try:
+                assert type(other) is type(obj)
+                assert calls == {"attach": 1, "header": 1}, (type(obj).__name__, calls)
+            finally:
+                other.close()
+    finally:
+        for obj in made:
+            obj.close()
