@@ -15,8 +15,11 @@ from .compat.dreamer import ReplayBuffer
 from .compat.history import HistoryBuffer
 from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer
 from .compat.planet import Episode, Memory
+from . import keyed as _keyed
+from ._layout import KIND_KEYED as _KIND_KEYED
+from ._segment import Segment as _Segment
+from .compat._base import facade_for as _facade_for
 from .store import Buffer, Stats, create
-from .store import attach as _attach_store
 from .writer import Writer
 
 __version__ = "0.1.0"
@@ -27,7 +30,7 @@ def attach(name: str, *, seed=None):
 
     Returns the class that made the buffer: a ``Buffer`` for ``create``, or
     the seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...)
-    that created it.
+    that created it.  The segment is mapped once and its header read once.
 
     Raises:
         SegmentNotFoundError: no segment has that name.
@@ -36,30 +39,22 @@ def attach(name: str, *, seed=None):
     Example:
         >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
     """
-    from ._layout import KIND_KEYED
-    from .compat._base import facade_for
-
-    if _segment_kind(name) == KIND_KEYED:
-        return HistoryBuffer.attach(name)
-    buffer = _attach_store(name, seed=seed)
-    cls = facade_for(buffer)
-    if cls is None:
-        return buffer
+    segment = _Segment.attach(name)
     try:
-        return cls._from_buffer(buffer)
+        layout, owner = segment.header()
     except BaseException:
-        buffer.close()
-        raise
-
-
-def _segment_kind(name: str) -> int:
-    from ._segment import Segment
-
-    segment = Segment.attach(name)
-    try:
-        return segment.header()[1]["kind"]
-    finally:
         segment.close()
+        raise
+    if owner["kind"] == _KIND_KEYED:
+        return HistoryBuffer._from_rings(_keyed.open_segment(segment, layout, owner))
+    try:
+        buffer = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]),
+                        owner["meta"], seed)
+    except BaseException:
+        segment.close()
+        raise
+    cls = _facade_for(buffer)
+    return buffer if cls is None else cls._from_buffer(buffer)
 
 
 __all__ = [
