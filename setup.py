@@ -15,3 +15,8 @@ setup(
         ),
     ]
 )
+        Extension(
+            "shmbuf._exitsig",
+            sources=["shmbuf/_exitsig.c"],
+            extra_compile_args=["-std=c11", "-O2"],
+        ),

@@ -5,7 +5,9 @@ trainer samples zero-copy views; any process can attach by name.
 """
 from ._errors import (BufferClosedError, CorruptSegmentError, LayoutVersionError,
                       NoFreeChunkError, NoFreeWriterSlotError, NotEnoughDataError,
-                      OnPolicyBufferFullError, SampleRetryError, SampleTooLargeError,
+                      CorruptSaveError, OnPolicyBufferFullError, OwnerAliveError,
+                      SampleRetryError, SaveExistsError,
+                      SampleTooLargeError,
                       SchemaPendingError,
                       SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError, ShmbufError, WaitTimeoutError)
@@ -20,13 +22,19 @@ from ._layout import KIND_KEYED as _KIND_KEYED
 from ._segment import Segment as _Segment
 from .compat._base import facade_for as _facade_for
 from .store import Buffer, Stats, create
+from .store import from_segment as _from_segment
 from .writer import Writer
+from ._saving import Saver
 
 __version__ = "0.1.0"
 
 
-def attach(name: str, *, seed=None):
-    """Attach to any shmbuf buffer by name; the result never unlinks it.
+def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | None = None):
+    """Attach to any shmbuf buffer by name; the result never unlinks it, unless ``own``.
+
+    ``own=True`` takes over a buffer whose owner died (see ``store.attach``):
+    this process then unlinks it at close and answers for SIGTERM; the data
+    and the writers carry on.
 
     Returns the class that made the buffer: a ``Buffer`` for ``create``, or
     the seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...)
@@ -35,10 +43,15 @@ def attach(name: str, *, seed=None):
     Raises:
         SegmentNotFoundError: no segment has that name.
         CorruptSegmentError / LayoutVersionError: it is not a readable shmbuf buffer.
+        BufferClosedError: its owner closed it.
+        OwnerAliveError: ``own=True`` but the owner is alive (named in the message).
 
     Example:
         >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
     """
+    from . import _signals
+
+    _signals.check(handle_signals)
     segment = _Segment.attach(name)
     try:
         layout, owner = segment.header()
@@ -46,10 +59,13 @@ def attach(name: str, *, seed=None):
         segment.close()
         raise
     if owner["kind"] == _KIND_KEYED:
+        if own:
+            segment.close()
+            raise ValueError(f"segment {name!r} holds a HistoryBuffer's keyed rings; "
+                             "own=True adopts step stores (Buffer and the replay facades) only")
         return HistoryBuffer._from_rings(_keyed.open_segment(segment, layout, owner))
     try:
-        buffer = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]),
-                        owner["meta"], seed)
+        buffer = _from_segment(segment, layout, owner, seed, own, handle_signals)
     except BaseException:
         segment.close()
         raise
@@ -57,13 +73,44 @@ def attach(name: str, *, seed=None):
     return buffer if cls is None else cls._from_buffer(buffer)
 
 
+def load(path, name: str | None = None, capacity: int | None = None, *, seed=None,
+         handle_signals: bool | None = None):
+    """Create a new buffer from a save made by ``Buffer.save`` (this process owns it).
+
+    The steps come back in their order, in their streams and episodes
+    (terminal steps and ``end_episode`` cuts), through writers, so sampling
+    treats them exactly like fresh ones.  A save made by a seed facade comes
+    back as that facade.
+
+    Args:
+        path: the save's directory.
+        name: the new segment's name; generated if None.
+        capacity: steps the new buffer holds; default the saved buffer's.  A
+            smaller one keeps the newest steps.
+        seed, handle_signals: as in ``create``.
+
+    Raises:
+        FileNotFoundError: no directory at ``path``.
+        CorruptSaveError: the save is incomplete, truncated, tampered with, or
+            its files do not match its schema; nothing is created.
+        SegmentExistsError: ``name`` is taken.
+
+    Example:
+        >>> buf.save("ckpt/replay")
+        >>> buf2 = shmbuf.load("ckpt/replay", capacity=2 * buf.capacity)
+    """
+    from ._saving import load as _load
+
+    return _load(path, name, capacity, seed=seed, handle_signals=handle_signals)
+
+
 __all__ = [
-    "Buffer", "Stats", "Writer", "attach", "create",
+    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver",
     "HistoryBuffer", "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
     "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",
     "CorruptSegmentError", "LayoutVersionError", "SharedMemoryFullError",
-    "BufferClosedError", "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
+    "BufferClosedError", "OwnerAliveError", "SaveExistsError", "CorruptSaveError", "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
     "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "SchemaPendingError",
     "WaitTimeoutError",
 ]

@@ -37,6 +37,18 @@ class BufferClosedError(ShmbufError, ValueError):
     """An operation was attempted on a closed buffer or writer."""
 
 
+class OwnerAliveError(ShmbufError, RuntimeError):
+    """``attach(name, own=True)`` found the buffer's owner alive (or a rival adopted it first)."""
+
+
+class SaveExistsError(ShmbufError, FileExistsError):
+    """``save`` or ``load``'s target path already exists (see ``overwrite=``)."""
+
+
+class CorruptSaveError(ShmbufError, ValueError):
+    """A save on disk is incomplete, truncated, tampered with, or of another schema."""
+
+
 class NotEnoughDataError(ShmbufError, ValueError):
     """The buffer holds too little data for the requested sample."""
 

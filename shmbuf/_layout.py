@@ -13,7 +13,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    40  n_chunks       Q    ceil(capacity / chunk_size)
    48  max_writers    Q    entries in the writer slot table
    56  done_column    q    table index of the terminal column, -1 if none
-   64  owner_pid      Q    pid of the creating process
+   64  owner_pid      Q    pid of the creating process (the owner now: the owner record at 704)
    72  owner_start    Q    its start time in clock ticks after boot (/proc/PID/stat #22)
    80  created_ns     Q    wall clock at create, time.time_ns()
    88  kind           Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
@@ -27,6 +27,9 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   384  samples        Q    atomic: sample calls served
   512  serial         Q    atomic: serial numbers handed out by Buffer.next_serial()
   640  episode_ticket  Q   atomic: episodes logged so far; entry i lives at i % episode_slots
+  704  owner          Q    atomic: owner record, lease << 32 | pid; adoption takes it by CAS
+  768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
+  832  closed         Q    atomic: 0 while open; reason << 32 | pid of who closed it (CLOSED_BY)
  1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
  2048  column table   n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
@@ -55,7 +58,7 @@ from ._args import check_int
 from ._errors import CorruptSegmentError, LayoutVersionError
 
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
-LAYOUT_VERSION = 2
+LAYOUT_VERSION = 3
 KIND_STORE, KIND_KEYED = 0, 1
 # What each kind holds, and what attaches to it: for error messages.
 KINDS = {KIND_STORE: ("a step store", "shmbuf.attach"),
@@ -91,7 +94,10 @@ HEADER_FIELDS = {
     "episodes_at": (120, "<Q"),
 }
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512,
-            "episode_ticket": 640}
+            "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832}
+# Who set the closed word (its bits 32-63), for the message writers get.
+CLOSED_BY = {1: "its owner", 2: "'shmbuf rm'", 3: "'shmbuf gc' (its owner was dead)"}
+CLOSED_OWNER, CLOSED_RM, CLOSED_GC = 1, 2, 3
 META = 1024
 MAX_META = 1024
 COLUMN_TABLE = 2048
@@ -332,6 +338,9 @@ def read_field(buf, field: str) -> int:
     off, fmt = HEADER_FIELDS[field]
     return struct.unpack_from(fmt, buf, off)[0]
 
+    # The first owner record (lease 1), published with the rest of the header.
+    struct.pack_into("<Q", out, COUNTERS["owner"], 1 << 32 | owner_pid)
+    struct.pack_into("<Q", out, COUNTERS["owner_stamp"], owner_start << 16 | 1)
 
 def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     """Parse and check the header of segment ``name``; trust nothing in it.

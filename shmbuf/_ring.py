@@ -24,15 +24,17 @@ import os
 import numpy as np
 
 from . import _atomic as atomic
-from ._errors import NoFreeChunkError, NoFreeWriterSlotError
-from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
-                      EPISODE_FIELDS, MAGIC, NO_SLOT, SLOT_ENTRY, SLOT_FIELDS, TERMINAL, Layout,
-                      pack_chunk_state, unpack_chunk_state)
+from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError
+from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
+                      EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, SEALED, SLOT_ENTRY,
+                      SLOT_FIELDS, TERMINAL, Layout,
+                      pack_chunk_state, read_field, unpack_chunk_state)
 from ._procs import is_alive, my_start_time
 
 _U32 = 0xFFFFFFFF
 _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
+_NEXT, _NEXT_SEQ = CHUNK_FIELDS["next"] // 8, CHUNK_FIELDS["next_seq"] // 8
 # Fields of an episode entry after its seq, in the order a writer stores them.
 _EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flags")
 (_E_SEQ, _E_STREAM, _E_CHUNK, _E_CHUNK_SEQ, _E_OFFSET, _E_LENGTH, _E_EP,
@@ -53,6 +55,70 @@ def publish_header(mm, header: bytes) -> None:
 def header_published(mm) -> bool:
     """True once ``publish_header`` has stored the magic."""
     return atomic.load_acquire(mm, 0) == MAGIC
+
+
+# -- the closed mark and the owner record (segments of every kind) -----------------
+_CLOSED, _OWNER, _OWNER_STAMP = COUNTERS["closed"], COUNTERS["owner"], COUNTERS["owner_stamp"]
+
+
+def mark_closed(mm, reason: int, pid: int) -> bool:
+    """Set the closed word to ``reason << 32 | pid`` unless it is set; True if this call set it.
+
+    Only a whole header of this layout version is marked: the word of a
+    foreign or older segment may mean something else.
+    """
+    if not header_published(mm) or read_field(mm, "version") != LAYOUT_VERSION:
+        return False
+    return atomic.compare_exchange(mm, _CLOSED, 0, reason << 32 | pid)
+
+
+def closed_word(mm) -> int:
+    """0 while the buffer is open, else ``reason << 32 | pid`` of who closed it."""
+    return atomic.load_acquire(mm, _CLOSED)
+
+
+def closed_message(name, word: int) -> str:
+    reason, pid = word >> 32, word & _U32
+    return (f"buffer {name!r} was closed by {CLOSED_BY.get(reason, 'its owner')} (pid {pid}) "
+            "and its name removed; no more steps can be added or sampled. A worker "
+            "stops here; attach to a new buffer to continue")
+
+
+def _owner(mm) -> tuple[int, int]:
+    """The owner word and the start time that goes with its lease (0: not recorded yet)."""
+    state = atomic.load_acquire(mm, _OWNER)
+    stamp = atomic.load_acquire(mm, _OWNER_STAMP)
+    start = stamp >> 16 if (stamp & 0xFFFF) == ((state >> 32) & 0xFFFF) else 0
+    return state, start
+
+
+def owner_record(mm) -> tuple[int, int]:
+    """(pid, start time or 0 if not yet recorded) of the segment's owner now."""
+    state, start = _owner(mm)
+    return state & _U32, start
+
+
+def owner_alive(mm) -> bool:
+    return is_alive(*owner_record(mm))
+
+
+def take_ownership(mm, pid: int, start: int) -> int:
+    """Make ``pid`` the owner if the recorded owner is dead; return 0, or the live owner's pid.
+
+    One compare-and-swap on the owner word decides between rivals, like a
+    writer slot's claim: the loser reads the winner's pid.  The start time
+    is stored after the CAS, tagged with the new lease, so a reader never
+    pairs the new pid with the old start time.
+    """
+    state, seen = _owner(mm)
+    holder = state & _U32
+    if holder and is_alive(holder, seen):
+        return holder
+    lease = ((state >> 32) + 1) & _U32 or 1
+    if not atomic.compare_exchange(mm, _OWNER, state, lease << 32 | pid):
+        return owner_record(mm)[0]  # a rival won
+    atomic.store_release(mm, _OWNER_STAMP, start << 16 | (lease & 0xFFFF))
+    return 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +143,7 @@ class Chunks:
     count: np.ndarray   # int64 committed rows
     stream: np.ndarray  # int64 stream that filled it
     base: np.ndarray    # int64 first physical row
+    ticket: np.ndarray | None = None  # int64 claim ticket (unique, grows with every claim)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +176,12 @@ class Episodes:
 class Ring:
     """The header of one mapped step store, seen through its atomic words."""
 
-    def __init__(self, mm, layout: Layout):
+    def __init__(self, mm, layout: Layout, name: str | None = None):
         self.mm = mm
         self.layout = layout
+        self.name = name
+        # The closed word as a numpy view: a plain aligned load (relaxed) per check.
+        self._closed = np.frombuffer(mm, dtype="<u8", count=1, offset=_CLOSED)
         n, k = layout.n_chunks, layout.chunk_size
         self.chunk_table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
                                          offset=layout.chunks_offset).reshape(n, -1)
@@ -137,6 +207,20 @@ class Ring:
         """A new segment: every chunk free (sealed, ownerless, empty)."""
         self.chunk_table[:, _STATE] = pack_chunk_state(0, True, NO_SLOT, 0)
         atomic.fence_seq_cst()
+
+    # -- the closed mark ----------------------------------------------------------
+    def check_open(self, pid: int) -> None:
+        """Raise BufferClosedError once another process closed the buffer (one relaxed load).
+
+        The process that closed it (``pid``) is not stopped: after ``unlink()``
+        an owner may keep using its mapping.
+        """
+        word = int(self._closed[0])
+        if word and word & _U32 != pid:
+            raise BufferClosedError(closed_message(self.name, word))
+
+    def closed(self) -> int:
+        return closed_word(self.mm)
 
     # -- counters -------------------------------------------------------------
     def counter(self, name: str) -> int:
@@ -317,7 +401,39 @@ class Ring:
         order = np.argsort(table[:, _TICKET], kind="stable")
         order = order[(counts[order] > 0) & (seq[order] & 1 == 0)]
         return Chunks(order.astype(np.int64), seq[order], counts[order],
-                      table[order, _STREAM].astype(np.int64), self.chunk_base[order])
+                      table[order, _STREAM].astype(np.int64), self.chunk_base[order],
+                      table[order, _TICKET].astype(np.int64))
+
+    def final_chunks(self) -> Chunks:
+        """Live chunks that no writer will add to any more, oldest claim first.
+
+        A chunk is final once its stream sealed it (moved on, or the writer
+        closed) or its writer died.  The state is loaded before the count
+        (acquire), so a sealed chunk's count is its last.
+        """
+        table = self.chunk_table
+        state = table[:, _STATE].copy()
+        atomic.fence_acquire()
+        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows)
+        seq = (state >> np.uint64(32)).astype(np.int64)
+        final = (state & np.uint64(SEALED)) != 0
+        for chunk in np.flatnonzero(~final & (counts > 0) & (seq & 1 == 0)):
+            _, _, slot, lease = unpack_chunk_state(int(state[chunk]))
+            final[chunk] = slot == NO_SLOT or not self.slot_alive(slot, lease)
+        order = np.argsort(table[:, _TICKET], kind="stable")
+        order = order[final[order] & (counts[order] > 0) & (seq[order] & 1 == 0)]
+        return Chunks(order.astype(np.int64), seq[order], counts[order],
+                      table[order, _STREAM].astype(np.int64), self.chunk_base[order],
+                      table[order, _TICKET].astype(np.int64))
+
+    def links(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(successor chunk or -1, the successor's seq) of each of ``chunks``, as linked now.
+
+        ``link`` stores next_seq before next, so next is loaded first.
+        """
+        nxt = self.chunk_table[chunks, _NEXT].astype(np.int64) - 1
+        atomic.fence_acquire()
+        return nxt, self.chunk_table[chunks, _NEXT_SEQ].astype(np.int64)
 
     def unchanged(self, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """After reading rows: True where each (chunk, seq) still holds (acquire first)."""

@@ -19,7 +19,7 @@ import numpy as np
 import posix_ipc
 
 from . import _ring
-from ._layout import COLUMN_TABLE, KINDS, decode_header
+from ._layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, decode_header
 from ._wait import poll
 from ._errors import (BufferClosedError, CorruptSegmentError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
@@ -200,9 +200,16 @@ class Segment:
         unlink(self.name)
 
 
-def unlink(name: str) -> None:
-    """Remove segment ``name`` from /dev/shm; mapped views stay valid."""
+def unlink(name: str, reason: int = CLOSED_OWNER) -> None:
+    """Mark buffer ``name`` closed, then remove it from /dev/shm; mapped views stay valid.
+
+    Every unlink goes through here (owners' close and unlink, ``shmbuf rm``
+    and ``gc``), so writers and samplers in other processes always learn
+    that the buffer is gone (``BufferClosedError``) instead of writing on
+    into memory that nobody can attach to any more.
+    """
     validate_name(name)
+    _mark_closed(name, reason)
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.Error as exc:
@@ -210,10 +217,30 @@ def unlink(name: str) -> None:
 
 
 def _unlink_quietly(name: str) -> None:
+    _mark_closed(name, CLOSED_OWNER)
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.Error:
         pass
+
+
+def _mark_closed(name: str, reason: int) -> None:
+    """Set the closed word of shmbuf segment ``name``; quiet for anything else."""
+    try:
+        shm = posix_ipc.SharedMemory("/" + name)
+    except posix_ipc.Error:
+        return  # gone, or not ours to open: unlink reports it
+    try:
+        if shm.size >= COLUMN_TABLE:
+            mm = mmap.mmap(shm.fd, COLUMN_TABLE, flags=mmap.MAP_SHARED)
+            try:
+                _ring.mark_closed(mm, reason, os.getpid())
+            finally:
+                mm.close()
+    except (OSError, ValueError):
+        pass  # not mappable: nobody can be writing into it through us
+    finally:
+        shm.close_fd()
 
 
 def list_segments() -> list[str]:

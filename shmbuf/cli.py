@@ -11,8 +11,8 @@ import time
 
 from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError
 from ._layout import KIND_KEYED
-from ._procs import is_alive
-from ._ring import Ring
+from ._layout import CLOSED_GC, CLOSED_RM
+from ._ring import Ring, closed_word, owner_alive, owner_record
 from ._segment import Segment, list_segments, unlink
 
 
@@ -30,8 +30,17 @@ class _Info:
         self.ring = Ring(self.segment.mmap, self.layout)
 
     @property
+    def owner_pid(self) -> int:
+        """The owner now: the creator, or the process that adopted the buffer."""
+        return owner_record(self.segment.mmap)[0]
+
+    @property
     def owner_alive(self) -> bool:
-        return is_alive(self.owner["owner_pid"], self.owner["owner_start"])
+        return owner_alive(self.segment.mmap)
+
+    @property
+    def closed(self) -> bool:
+        return bool(closed_word(self.segment.mmap))
 
     def writers(self) -> list[tuple[int, int, int]]:
         """(slot, pid, steps) of every slot held by a live process."""
@@ -64,7 +73,7 @@ def cmd_ls(args) -> int:
     for info in _scan():
         try:
             live = info.ring.live_steps() if info.owner["kind"] != KIND_KEYED else 0
-            owner = f"{info.owner['owner_pid']} {'alive' if info.owner_alive else 'dead'}"
+            owner = f"{info.owner_pid} {'alive' if info.owner_alive else 'dead'}"
             print(f"{info.name:<32} {_human(info.segment.size):>10} {info.layout.capacity:>10} "
                   f"{live:>10} {owner:>12} {len(info.writers()):>7}")
         finally:
@@ -79,8 +88,10 @@ def cmd_info(args) -> int:
         print(f"name         {info.name}")
         print(f"kind         {'keyed rings' if info.owner['kind'] == KIND_KEYED else 'step store'}")
         print(f"size         {_human(info.segment.size)}")
-        print(f"owner        pid {info.owner['owner_pid']} "
-              f"({'alive' if info.owner_alive else 'dead'})")
+        print(f"owner        pid {info.owner_pid} "
+              f"({'alive' if info.owner_alive else 'dead'})"
+              f"{'' if info.owner_pid == info.owner['owner_pid'] else ', adopted'}"
+              f"{', closed' if info.closed else ''}")
         print(f"meta         {info.owner['meta']}")
         print(f"capacity     {lay.capacity} steps in {lay.n_chunks} chunks of {lay.chunk_size}")
         print("columns")
@@ -104,7 +115,7 @@ def cmd_info(args) -> int:
 
 def cmd_rm(args) -> int:
     for name in args.names:
-        unlink(name)
+        unlink(name, CLOSED_RM)  # marks it closed first: its writers stop
         print(f"removed {name}")
     return 0
 
@@ -114,7 +125,7 @@ def cmd_gc(args) -> int:
     dead = []
     for info in _scan():
         try:
-            if not info.owner_alive:
+            if not info.owner_alive or info.closed:
                 dead.append(info.name)
         finally:
             info.close()
@@ -123,7 +134,7 @@ def cmd_gc(args) -> int:
             print(f"would remove {name} (owner is dead)")
             continue
         try:
-            unlink(name)
+            unlink(name, CLOSED_GC)  # marks it closed first: writers left stop
             print(f"removed {name} (owner is dead)")
         except SegmentNotFoundError:
             pass

@@ -8,14 +8,15 @@ import time
 
 import numpy as np
 
-from . import _checkpoint
+from . import _checkpoint, _saving, _signals
 from ._args import check_int
-from ._errors import SampleRetryError, WaitTimeoutError
+from ._errors import BufferClosedError, OwnerAliveError, SampleRetryError, WaitTimeoutError
 from ._layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ._out import prepare_out as _prepare_out
 from ._pages import ChunkPages
 from ._procs import is_alive, my_start_time
-from ._ring import Episodes, Ring
+from ._ring import (Episodes, Ring, closed_message, closed_word, owner_alive, owner_record,
+                    take_ownership)
 from ._handle import Shared
 from ._segment import Segment, column_views, generate_name, validate_name
 from ._wait import check_timeout, poll
@@ -59,16 +60,19 @@ class Buffer(Shared):
     same live memory and never unlinks it.
     """
 
+    _savers: set = frozenset()  # running Savers; class default, so close() works early
+
     def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
                  seed=None, mapped: bool = False):
         self._layout = layout
         self._owner_pid, self._owner_start = owner
         self._meta = meta
-        self._ring = Ring(segment.mmap, layout)
+        self._ring = Ring(segment.mmap, layout, segment.name)
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._rng = np.random.default_rng(seed)
         self._pages = ChunkPages(segment.mmap, layout, mapped)
+        self._savers = set()
         self._open(segment)
 
     # -- identity -----------------------------------------------------------
@@ -128,7 +132,7 @@ class Buffer(Shared):
             >>> w = buf.writer()
             >>> w.add(obs=o, action=a, reward=r, done=d)
         """
-        self._check_open()
+        self._check_live()
         return Writer(self._ring, self._views, self._check_open, self._pages.populate)
 
     # -- sampling -------------------------------------------------------------
@@ -176,7 +180,7 @@ class Buffer(Shared):
             >>> batch = buf.sample_sequences(50, 50)
             >>> batch["obs"].shape   # (50, 50, 3, 64, 64)
         """
-        self._check_open()
+        self._check_live()
         batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
         length = check_int("length", length, 1, self._layout.capacity)
         if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
@@ -259,18 +263,24 @@ class Buffer(Shared):
         Example:
             >>> buf.wait_ready(min_steps=5_000, timeout=60)
         """
-        self._check_open()
+        self._check_live()
         min_steps = check_int("min_steps", min_steps, 1, self._layout.capacity)
         timeout = check_timeout(timeout)
         ring = self._ring
 
         def ready():
+            ring.check_open(os.getpid())  # a worker waiting on a closed buffer stops
             live = ring.live_steps()
             return live if live >= min_steps else None
 
         return poll(ready, timeout, lambda: WaitTimeoutError(
             f"buffer {self.name!r} holds {ring.live_steps()} live steps after {timeout} s; "
             f"wait_ready wanted {min_steps}. Are the writers running?"))
+
+    def _check_live(self) -> None:
+        """Closed here, or by the owner (or ``shmbuf rm``) in another process: raise."""
+        self._check_open()
+        self._ring.check_open(os.getpid())
 
     def stats(self) -> Stats:
         """A snapshot of the header counters (see ``Stats``)."""
@@ -280,7 +290,7 @@ class Buffer(Shared):
         return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,
                      c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
                      len(self._ring.live_writers()), c.streams, c.samples,
-                     self._owner_pid, is_alive(self._owner_pid, self._owner_start))
+                     owner_record(self._ring.mm)[0], owner_alive(self._ring.mm))
 
     # -- episodes and rows ------------------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:
@@ -348,8 +358,55 @@ class Buffer(Shared):
         self._check_open()
         _checkpoint.restore(self, self._ring, state)
 
+    # -- saving to disk ---------------------------------------------------------------
+    def save(self, path, *, follow: bool = False, overwrite: bool = False,
+             durable: bool | None = None, interval: float = 1.0):
+        """Write the live steps to the directory ``path``, consistently, while writers run.
+
+        Each chunk is written straight from shared memory and then validated
+        as a sample is (a chunk recycled meanwhile is left out), so no torn
+        step is saved and no more than the files' own page cache is used.
+        The format (one ``.npy`` per column, a JSON manifest, readable with
+        numpy alone) is described in ``shmbuf._saving``; ``shmbuf.load``
+        rebuilds a buffer from it.
+
+        Args:
+            path: a directory to create.
+            follow: instead of one copy, keep saving: return a ``Saver`` that
+                appends every chunk as it is sealed (so a reboot loses at
+                most the open chunks) until ``Saver.close()`` or this
+                buffer's close.
+            overwrite: if ``path`` exists, replace it, but only if it is a
+                shmbuf save (or empty); otherwise ``SaveExistsError``.
+            durable: fsync the files before the manifest names them.
+                Default: False for one copy (like ``np.save``), True with
+                ``follow``.
+            interval: seconds between the ``Saver``'s looks for sealed chunks.
+
+        Returns:
+            The steps saved (an int), or the running ``Saver`` with ``follow``.
+
+        Raises:
+            SaveExistsError: ``path`` exists (see ``overwrite``).
+            BufferClosedError: the buffer is closed.
+
+        Example:
+            >>> buf.save("ckpt/replay")
+            >>> buf2 = shmbuf.load("ckpt/replay")
+        """
+        self._check_live()
+        if follow:
+            saver = _saving.Saver(self, path, interval=interval, overwrite=overwrite,
+                                  durable=True if durable is None else durable)
+            self._savers.add(saver)
+            return saver
+        return _saving.save(self, path, overwrite=overwrite, durable=bool(durable))
+
     # -- lifecycle ----------------------------------------------------------------
     def _release(self) -> None:
+        _signals.forget(self)
+        for saver in list(self._savers):
+            saver.close()  # saves what is left, while the mapping is still ours
         self._views = self._ring = self._finder = None
 
     def __reduce__(self):
@@ -363,7 +420,7 @@ class Buffer(Shared):
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
            prefault: bool = True, meta: dict | None = None,
-           episode_slots: int | None = None) -> Buffer:
+           episode_slots: int | None = None, handle_signals: bool | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -381,10 +438,17 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             (``episodes()``, ``uniform="episodes"``); default
             ``capacity // 8`` within 1024 and 4M (at most the capacity),
             64 bytes each.
+        handle_signals: None (default): install shmbuf's SIGTERM handler if
+            this is the main thread and SIGTERM has its default action, so
+            that SIGTERM unwinds, unlinks the buffer, and then ends the
+            process by SIGTERM; True: also chain a handler already in place;
+            False: install nothing (the program handles signals itself).
+            SIGINT is never touched.  Details: ``shmbuf._signals``.
 
     Returns:
-        The owning ``Buffer``; closing it (or dropping it, or exiting) unlinks
-        the segment.
+        The owning ``Buffer``; closing it (or dropping it, or exiting, or
+        SIGTERM) marks it closed, so writers in other processes stop with
+        BufferClosedError, and unlinks the segment.
 
     Raises:
         ValueError / TypeError: a bad argument, before any system call.
@@ -398,6 +462,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     """
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
                   done_key=done_key, episode_slots=episode_slots)
+    _signals.check(handle_signals)
     raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
     segment = Segment.create(name, layout.total_bytes, populate=prefault)
@@ -405,28 +470,73 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         owner = (os.getpid(), my_start_time())
         Ring(segment.mmap, layout).init_chunks()
         segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta))
-        return Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
+        buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
     except BaseException:
         segment.unlink()
         segment.close()
         raise
+    return _watch(buf, handle_signals)
 
 
-def attach(name: str, *, seed=None) -> Buffer:
-    """Attach to an existing buffer by name; the result never unlinks it.
+def _watch(buf: Buffer, handle_signals) -> Buffer:
+    """Let SIGTERM unlink ``buf`` (an owner); closes it if that cannot be arranged."""
+    try:
+        _signals.watch(buf, handle_signals)
+    except BaseException:
+        buf.close()
+        raise
+    return buf
+
+
+def attach(name: str, *, seed=None, own: bool = False,
+           handle_signals: bool | None = None) -> Buffer:
+    """Attach to an existing buffer by name; the result never unlinks it, unless ``own``.
+
+    Args:
+        own: take the buffer over from an owner that died (SIGKILL, a crash):
+            this process becomes the owner, unlinks it at close and answers
+            for SIGTERM (``handle_signals`` as in ``create``).  The data and
+            the writers attached before the crash carry on.  One
+            compare-and-swap on the header's owner record decides, so of two
+            restarted trainers exactly one wins.
 
     Raises:
         SegmentNotFoundError: no segment has that name.
         CorruptSegmentError / LayoutVersionError: it is not a readable shmbuf buffer.
+        BufferClosedError: its owner closed it (it is being removed).
+        OwnerAliveError: ``own=True`` and the recorded owner is alive (the
+            message names its pid), or a rival took it over first.
 
     Example:
         >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
+        >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f", own=True)  # after the trainer crashed
     """
+    _signals.check(handle_signals)
     segment = Segment.attach(name)
     try:
         layout, owner = segment.header(KIND_STORE)
-        return Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]),
-                      owner["meta"], seed)
+        return from_segment(segment, layout, owner, seed, own, handle_signals)
     except BaseException:
         segment.close()
         raise
+
+
+def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: bool = False,
+                 handle_signals: bool | None = None) -> Buffer:
+    """The Buffer over an attached step-store ``segment`` (whose header was read).
+
+    Refuses a buffer its owner closed; with ``own``, adopts it first.
+    """
+    word = closed_word(segment.mmap)
+    if word:
+        raise BufferClosedError(closed_message(segment.name, word))
+    if own:
+        live = take_ownership(segment.mmap, os.getpid(), my_start_time())
+        if live:
+            raise OwnerAliveError(
+                f"buffer {segment.name!r} is owned by pid {live}, which is alive; "
+                "attach(name, own=True) takes over only a buffer whose owner died. Attach "
+                f"without own=True to share it, or stop pid {live} first")
+        segment.owner = True  # this process unlinks it now
+    buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
+    return _watch(buf, handle_signals) if own else buf

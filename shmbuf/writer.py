@@ -68,6 +68,7 @@ class Writer:
             raise KeyError(f"{verb}: missing columns {missing}, unknown columns {unknown}; "
                            f"the buffer's columns are {sorted(self._names)}")
 
+        self._ring.check_open(self._pid)  # the owner closed it: this worker stops here
     def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
         """The values in column order, cast losslessly; the names are already checked."""
         out = []
@@ -95,7 +96,8 @@ class Writer:
             KeyError: a column is missing or unknown.
             ValueError / TypeError: a value has the wrong shape, or its dtype
                 would lose information; nothing is written.
-            BufferClosedError: the writer or the buffer is closed.
+            BufferClosedError: the writer or the buffer is closed, here or by
+                its owner in another process (or by ``shmbuf rm`` / ``gc``).
 
         Example:
             >>> w = buf.writer()

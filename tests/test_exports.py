@@ -4,13 +4,15 @@ from importlib import resources
 import shmbuf
 
 EXPORTS = [
-    "Buffer", "BufferClosedError", "CorruptSegmentError", "DiamondReplayBuffer", "Episode",
+    "Buffer", "BufferClosedError", "CorruptSaveError", "CorruptSegmentError",
+    "DiamondReplayBuffer", "Episode",
     "HistoryBuffer", "IRISOnPolicyBuffer", "IRISReplayBuffer", "LayoutVersionError", "Memory",
     "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
-    "OnPolicyBufferFullError", "ReplayBuffer", "SampleRetryError", "SampleTooLargeError",
+    "OnPolicyBufferFullError", "OwnerAliveError", "ReplayBuffer", "SampleRetryError",
+    "SampleTooLargeError", "SaveExistsError", "Saver",
     "SchemaPendingError", "SegmentExistsError", "SegmentNotFoundError",
     "SegmentPermissionError", "SequenceDataset", "SharedMemoryFullError", "ShmbufError",
-    "Stats", "WaitTimeoutError", "Writer", "attach", "create",
+    "Stats", "WaitTimeoutError", "Writer", "attach", "create", "load",
 ]
 
 

@@ -1,0 +1,444 @@
+"""Save a buffer to disk while writers run, and load it back.
+
+A save is a directory that numpy alone can read:
+
+  manifest.json   {"format": "shmbuf-save", "version": 1, "rows": n, "following": bool,
+                   "spec": {column: {"shape": [...], "dtype": "<f4"}}, "done_key",
+                   "capacity", "chunk_size", "meta", "source", "saved_ns"}
+  COLUMN.npy      one per column: (n, *shape), the steps in the order below
+  _stream.npy     (n,) int64: the stream of each step (a new id where a stream has a gap)
+  _episode.npy    (n,) int64: the episode number of each step within its stream
+
+``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
+Why this format: it is columnar like the buffer, so saving is one write per
+chunk and column straight from shared memory, with no copy and no pickle;
+``.npy`` is the one format every numpy reads, mmap-able, so loading (or
+inspecting) a save larger than RAM works; and appending rows changes only a
+fixed-size header, which the incremental mode rewrites in place.  (An
+``.npz`` is a zip: no mmap for compressed members, and appending means
+rewriting its directory.  HDF5 or torch.save would add a dependency or a
+pickle.)
+
+Rows are whole chunks in the order they were claimed, oldest first; within
+a stream that is step order, so the steps of episode ``e`` of stream ``s``
+are ``np.flatnonzero((stream == s) & (episode == e))``, in order.  Each
+chunk is written straight from the mapping, then its seq is checked, as a
+sample is: a chunk recycled while it was written is cut off the files again
+(its steps are gone anyway).  If a stream lost a chunk that way, its later
+steps get a new stream id, so that loading never splices across the gap.
+``manifest.json`` is written last, through a rename: a save without one is
+incomplete, and ``load`` trusts no more rows than the manifest names.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import threading
+import time
+
+import numpy as np
+
+from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
+from ._layout import EP_COLUMN, normalize_spec
+
+FORMAT, VERSION = "shmbuf-save", 1
+MANIFEST = "manifest.json"
+STREAM, EPISODE = "_stream", "_episode"
+NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
+GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
+
+
+# -- .npy files that grow ------------------------------------------------------------
+def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:
+    body = repr({"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                 "shape": tuple(int(d) for d in shape)})
+    pad = NPY_HEADER - 10 - len(body) - 1
+    if pad < 0:
+        raise ValueError(f"shape {shape} does not fit a {NPY_HEADER}-byte .npy header")
+    body = body + " " * pad + "\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body.encode("latin1")
+
+
+class _Column:
+    """One growing .npy file: rows are appended, the header says how many."""
+
+    def __init__(self, path: str, dtype: np.dtype, shape: tuple, rows: int = 0):
+        self.path, self.dtype, self.shape = path, np.dtype(dtype), tuple(shape)
+        self.row_bytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
+        self.rows = rows
+        self.file = open(path, "r+b" if rows else "w+b", buffering=0)
+        if not rows:
+            self.file.write(_npy_header(self.dtype, (0,) + self.shape))
+
+    def write(self, at_row: int, data) -> None:
+        """Write ``data`` (rows) from row ``at_row`` on; the header is not touched."""
+        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        self.file.seek(NPY_HEADER + at_row * self.row_bytes)
+        while view:
+            view = view[self.file.write(view):]
+
+    def truncate(self, rows: int) -> None:
+        self.file.truncate(NPY_HEADER + rows * self.row_bytes)
+
+    def commit(self, rows: int) -> None:
+        self.rows = rows
+        self.file.seek(0)
+        self.file.write(_npy_header(self.dtype, (rows,) + self.shape))
+
+    def sync(self) -> None:
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.file.close()
+
+
+# -- writing -------------------------------------------------------------------------
+def _prepare_dir(path: str, overwrite: bool) -> None:
+    """Make ``path`` an empty directory; replace an old save only if ``overwrite``."""
+    path = os.fspath(path)
+    if os.path.lexists(path):
+        if not overwrite:
+            raise SaveExistsError(
+                f"{path!r} already exists; pass overwrite=True to replace a shmbuf save "
+                "there, or pick another path")
+        if not os.path.isdir(path) or os.path.islink(path):
+            raise SaveExistsError(f"{path!r} exists and is not a directory; overwrite=True "
+                                  "replaces only a shmbuf save, remove it yourself")
+        entries = set(os.listdir(path))
+        if entries and MANIFEST not in entries and not _only_save_files(entries):
+            raise SaveExistsError(f"{path!r} is a directory that holds no shmbuf save; "
+                                  "overwrite=True replaces only a save, remove it yourself")
+        shutil.rmtree(path)
+    os.makedirs(path)
+
+
+def _only_save_files(entries) -> bool:
+    return all(e.endswith((".npy", ".json", ".tmp")) for e in entries)
+
+
+class _Writer:
+    """The files of one save and the bookkeeping that keeps streams whole."""
+
+    def __init__(self, buf, path: str, rows: int = 0):
+        self.buf, self.path, self.ring = buf, os.fspath(path), buf._ring
+        lay = self.ring.layout
+        self.views = buf._views
+        self.columns = {c.name: _Column(os.path.join(self.path, c.name + ".npy"), c.dtype,
+                                        c.shape, rows) for c in lay.user_columns}
+        self.columns[STREAM] = _Column(os.path.join(self.path, STREAM + ".npy"), np.int64, (),
+                                       rows)
+        self.columns[EPISODE] = _Column(os.path.join(self.path, EPISODE + ".npy"), np.int64,
+                                        (), rows)
+        self.rows = rows          # rows written and validated
+        self.committed = rows     # rows the manifest names
+        self.successor: dict[int, tuple[int, int]] = {}  # stream -> (chunk, seq) it links to
+        self.saved_id: dict[int, int] = {}
+        self.next_gap_id = GAP_IDS
+        self.dropped = 0
+
+    def write_chunks(self, chunks) -> int:
+        """Append each chunk that stays intact while written; return the rows added."""
+        before = self.rows
+        nxt, nxt_seq = self.ring.links(chunks.chunk)
+        for i in range(len(chunks.chunk)):
+            chunk, seq = int(chunks.chunk[i]), int(chunks.seq[i])
+            count, stream, base = int(chunks.count[i]), int(chunks.stream[i]), int(chunks.base[i])
+            rows = slice(base, base + count)
+            for name, col in self.columns.items():
+                if name != STREAM:  # straight from the mapping: no copy held here
+                    col.write(self.rows, self.views[EP_COLUMN if name == EPISODE else name][rows])
+            if not self.ring.unchanged(chunks.chunk[i:i + 1], chunks.seq[i:i + 1])[0]:
+                self.dropped += 1
+                continue  # recycled while written: the next chunk overwrites these rows
+            self.columns[STREAM].write(self.rows, np.full(
+                count, self._stream_id(stream, chunk, seq), np.int64))
+            self.successor[stream] = (int(nxt[i]), int(nxt_seq[i]))
+            self.rows += count
+        for col in self.columns.values():
+            col.truncate(self.rows)  # drop what a recycled last chunk left
+        return self.rows - before
+
+    def _stream_id(self, stream: int, chunk: int, seq: int) -> int:
+        """The saved id of ``stream``; a fresh one when its previous chunk does not link here."""
+        prev = self.successor.get(stream)
+        if prev is None:
+            self.saved_id.setdefault(stream, stream)
+        elif prev != (chunk, seq):
+            self.saved_id[stream] = self.next_gap_id
+            self.next_gap_id += 1
+        return self.saved_id[stream]
+
+    def commit(self, *, following: bool, durable: bool) -> None:
+        """Make the rows written so far the save: headers, then the manifest (renamed in)."""
+        if durable:
+            for col in self.columns.values():
+                col.sync()
+        for col in self.columns.values():
+            col.commit(self.rows)
+        if durable:
+            for col in self.columns.values():
+                col.sync()
+        _write_manifest(self.path, self._manifest(following), durable)
+        self.committed = self.rows
+
+    def _manifest(self, following: bool) -> dict:
+        lay, buf = self.ring.layout, self.buf
+        return {
+            "format": FORMAT, "version": VERSION, "rows": self.rows, "following": following,
+            "spec": {c.name: {"shape": list(c.shape), "dtype": c.dtype.str}
+                     for c in lay.user_columns},
+            "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
+            "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
+        }
+
+    def close(self) -> None:
+        for col in self.columns.values():
+            col.close()
+
+
+def _write_manifest(path: str, manifest: dict, durable: bool) -> None:
+    tmp = os.path.join(path, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.write("\n")
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST))
+    if durable:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def save(buf, path, *, overwrite: bool = False, durable: bool = False) -> int:
+    """Write every live step of ``buf`` to the directory ``path``; return the steps saved."""
+    _prepare_dir(path, overwrite)
+    out = _Writer(buf, path)
+    try:
+        out.write_chunks(out.ring.live_chunks())
+        out.commit(following=False, durable=durable)
+    finally:
+        out.close()
+    return out.rows
+
+
+class Saver:
+    """Incremental save: appends each chunk to ``path`` as soon as it is sealed.
+
+    A background thread looks every ``interval`` seconds for chunks that no
+    writer will add to any more (sealed, or their writer died), appends
+    them, fsyncs, and then renames a new manifest in: a machine that reboots
+    loses at most the chunks still open (and the last ``interval``).
+    ``close()`` (also at the buffer's close) saves the open chunks too.
+
+    Keep ``interval`` below the time the buffer takes to recycle its
+    oldest chunk, or chunks are recycled before they are saved
+    (``missed`` counts the chunks the saver found recycled mid-write).
+
+    Example:
+        >>> saver = buf.save("run/replay", follow=True)   # a Saver
+        >>> ...                                           # train for days
+        >>> saver.close()                                 # or buf.close()
+    """
+
+    def __init__(self, buf, path, *, interval: float = 1.0, overwrite: bool = False,
+                 durable: bool = True):
+        if not (isinstance(interval, (int, float)) and interval > 0):
+            raise ValueError(f"interval must be a number of seconds > 0, got {interval!r}")
+        self.path, self.interval, self.durable = os.fspath(path), float(interval), durable
+        self._buf = buf
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._saved: set[int] = set()  # claim tickets of chunks already in the save
+        self._rows = self._missed = 0
+        _prepare_dir(path, overwrite)
+        self._out = _Writer(buf, path)
+        self._out.commit(following=True, durable=durable)
+        self._thread = threading.Thread(target=self._run, name=f"shmbuf-saver {buf.name}",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def rows(self) -> int:
+        """Steps in the save so far."""
+        return self._rows
+
+    @property
+    def missed(self) -> int:
+        """Chunks recycled while they were being written (their steps are not saved)."""
+        return self._missed
+
+    @property
+    def closed(self) -> bool:
+        return self._out is None
+
+    def flush(self, include_open: bool = False) -> int:
+        """Append every sealed chunk not saved yet (and open ones if asked); return rows added.
+
+        Raises the error that stopped the background thread, if one did.
+        """
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self._out is None:
+                raise BufferClosedError(f"the saver of {self.path!r} is closed")
+            ring = self._out.ring
+            chunks = ring.live_chunks() if include_open else ring.final_chunks()
+            new = np.array([t not in self._saved for t in chunks.ticket.tolist()], bool)
+            if not new.any():
+                return 0
+            picked = type(chunks)(*(getattr(chunks, f)[new] for f in (
+                "chunk", "seq", "count", "stream", "base", "ticket")))
+            added = self._out.write_chunks(picked)
+            self._saved.update(picked.ticket.tolist())
+            self._saved &= set(ring.live_chunks().ticket.tolist()) | set(picked.ticket.tolist())
+            self._out.commit(following=not include_open, durable=self.durable)
+            self._rows, self._missed = self._out.committed, self._out.dropped
+            return added
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.flush()
+            except BaseException as exc:  # kept for flush() and close() to raise
+                with self._lock:
+                    self._error = exc
+                return
+
+    def close(self) -> None:
+        """Save what is left (open chunks included) and stop.  Idempotent."""
+        if self._out is None:
+            return
+        self._stop.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+        try:
+            if self._error is None:
+                self.flush(include_open=True)
+        finally:
+            with self._lock:
+                out, self._out = self._out, None
+            out.close()
+            self._buf._savers.discard(self)
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- reading -------------------------------------------------------------------------
+def _bad(path, why: str) -> CorruptSaveError:
+    return CorruptSaveError(f"{os.fspath(path)!r} is not a usable shmbuf save: {why}")
+
+
+def read_manifest(path) -> dict:
+    """The checked manifest of the save at ``path``; CorruptSaveError if anything is off."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(2, f"no shmbuf save at {path!r} (not a directory)")
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read(1 << 20).decode())
+    except FileNotFoundError:
+        raise _bad(path, f"it has no {MANIFEST} (a save that never finished?)") from None
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _bad(path, f"{MANIFEST} is not readable JSON ({exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise _bad(path, f"{MANIFEST} is not a {FORMAT!r} manifest")
+    if manifest.get("version") != VERSION:
+        raise _bad(path, f"it has save format version {manifest.get('version')!r} but this "
+                         f"shmbuf reads version {VERSION}")
+    for key, kind in (("rows", int), ("capacity", int), ("chunk_size", int), ("meta", dict),
+                      ("spec", dict)):
+        value = manifest.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (
+                kind is int and value < (0 if key == "rows" else 1)):
+            raise _bad(path, f"manifest field {key!r} is {value!r}")
+    try:
+        manifest["spec"] = normalize_spec({k: (tuple(v["shape"]), v["dtype"])
+                                           for k, v in manifest["spec"].items()})
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise _bad(path, f"its schema is invalid ({exc})") from None
+    done = manifest.get("done_key")
+    if done is not None and (done not in manifest["spec"] or manifest["spec"][done][0] != ()):
+        raise _bad(path, f"done_key {done!r} is not a scalar column of its schema")
+    return manifest
+
+
+def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int) -> np.ndarray:
+    """``rows`` rows of ``name``.npy, memory-mapped, after checking its header and size."""
+    file = os.path.join(os.fspath(path), name + ".npy")
+    try:
+        with open(file, "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                      else np.lib.format.read_array_header_2_0)
+            got_shape, fortran, got_dtype = header(f)
+            offset = f.tell()
+        size = os.path.getsize(file)
+    except FileNotFoundError:
+        raise _bad(path, f"{name}.npy is missing") from None
+    except (OSError, ValueError, SyntaxError, TypeError) as exc:
+        raise _bad(path, f"{name}.npy is not a readable .npy file ({exc})") from None
+    if got_dtype != dtype or fortran or tuple(got_shape[1:]) != shape or not got_shape:
+        raise _bad(path, f"{name}.npy holds {got_dtype} {tuple(got_shape)}, but the manifest "
+                         f"says {dtype} (n, *{shape}): the schema does not match")
+    need = offset + rows * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    if got_shape[0] < rows or size < need:
+        raise _bad(path, f"{name}.npy is truncated: it holds {got_shape[0]} rows in {size} "
+                         f"bytes, the manifest names {rows} ({need} bytes)")
+    if rows == 0:
+        return np.empty((0,) + shape, dtype)
+    return np.memmap(file, dtype, "r", offset, (rows,) + shape)
+
+
+def open_save(path) -> tuple[dict, dict]:
+    """(manifest, state): the save as ``Buffer.restore`` takes it, memory-mapped."""
+    manifest = read_manifest(path)
+    rows = manifest["rows"]
+    columns = {k: _open_column(path, k, dt, shape, rows)
+               for k, (shape, dt) in manifest["spec"].items()}
+    stream = _open_column(path, STREAM, np.dtype(np.int64), (), rows)
+    episode = _open_column(path, EPISODE, np.dtype(np.int64), (), rows)
+    from ._checkpoint import FORMAT as STATE_FORMAT
+
+    state = {"format": STATE_FORMAT,
+             "spec": {k: (list(shape), dt.str) for k, (shape, dt) in manifest["spec"].items()},
+             "columns": columns, "stream": stream, "episode": episode}
+    return manifest, state
+
+
+def load(path, name: str | None = None, capacity: int | None = None, *, seed=None,
+         handle_signals: bool | None = None):
+    """A new buffer holding a save's steps, streams and episodes (see ``shmbuf.load``)."""
+    from . import store
+    from .compat._base import facade_for
+
+    manifest, state = open_save(path)
+    facade = manifest["meta"].get("facade")
+    if capacity is not None and facade and capacity != manifest["capacity"]:
+        raise ValueError(f"capacity: a {facade!r} save keeps its own capacity "
+                         f"({manifest['capacity']}); load it with capacity=None")
+    same = capacity is None or capacity == manifest["capacity"]
+    buf = store.create({k: v for k, v in manifest["spec"].items()},
+                       manifest["capacity"] if capacity is None else capacity, name=name,
+                       chunk_size=manifest["chunk_size"] if same else None,
+                       done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
+                       handle_signals=handle_signals)
+    try:
+        buf.restore(state)
+    except BaseException:
+        buf.close()
+        raise
+    cls = facade_for(buf)
+    return buf if cls is None else cls._from_buffer(buf)

@@ -1,0 +1,227 @@
+"""Owner shutdown is visible: close, unlink, ``shmbuf rm`` and ``gc`` mark the buffer closed.
+
+Writers, samplers, waiters and attachers in other processes learn it at
+their next call (BufferClosedError, naming who closed it), so a worker loop
+that writes forever ends, and a trainer's exit-time join returns.  Real
+processes and real signals; every wait has a timeout; children are killed in
+``finally``.
+"""
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import _segment, cli
+from shmbuf._layout import CLOSED_OWNER
+from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
+from helpers.workers import SPEC, step_for, verify_batch
+
+WORKER = """
+    import json, sys
+    import shmbuf
+    from helpers.workers import step_for
+    buf = shmbuf.attach(sys.argv[1] if len(sys.argv) > 1 else {name!r})
+    w = buf.writer()
+    print("writing", flush=True)
+    pos = 0
+    try:
+        while True:
+            {call}
+            pos += 1
+    except shmbuf.BufferClosedError as exc:
+        print(json.dumps({{"steps": pos, "error": str(exc)}}), flush=True)
+"""
+ADD = "w.add(**step_for(0, pos, 0, pos, False))"
+ADD_BATCH = ("w.add_batch(**{k: __import__('numpy').stack([v, v]) "
+             "for k, v in step_for(0, pos, 0, pos, False).items()})")
+
+
+def start_worker(name, call=ADD):
+    script = Script(WORKER.format(name=name, call=call))
+    assert script.line() == "writing"
+    return script
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["close", "unlink"])
+@pytest.mark.parametrize("call", [ADD, ADD_BATCH], ids=["add", "add_batch"])
+def test_owner_close_or_unlink_stops_writers_elsewhere(how, call):
+    buf = shmbuf.create(SPEC, 256)
+    worker = start_worker(buf.name, call)
+    try:
+        buf.wait_ready(10, timeout=60)
+        getattr(buf, how)()
+        report = worker.json()
+        assert report["steps"] > 0
+        assert "was closed by its owner" in report["error"]
+        assert f"pid {os.getpid()}" in report["error"] and buf.name in report["error"]
+        assert worker.wait() == 0
+        assert not shm_exists(buf.name)
+    finally:
+        worker.close()
+        buf.close()
+
+
+def test_owner_keeps_using_its_mapping_after_unlink(make_buffer):
+    buf = make_buffer(SPEC, 64)
+    buf.unlink()
+    with buf.writer() as w:  # the process that closed it is not stopped
+        for pos in range(8):
+            w.add(**step_for(0, pos, 0, pos, False))
+    verify_batch(buf.sample_sequences(2, 4))
+
+
+def test_samplers_waiters_and_attachers_learn_it(make_buffer):
+    buf = make_buffer(SPEC, 64)
+    with buf.writer() as w:
+        for pos in range(8):
+            w.add(**step_for(0, pos, 0, pos, False))
+    other = shmbuf.attach(buf.name)
+    try:
+        # As if another process had closed it (pid 1 is never us): marked, name still there.
+        with _raw(buf.name) as mm:
+            from shmbuf import _ring
+            assert _ring.mark_closed(mm, CLOSED_OWNER, 1)
+            assert not _ring.mark_closed(mm, CLOSED_OWNER, 2)  # the first closer stays
+        for call in (lambda: other.sample_sequences(2, 2), lambda: other.sample_steps(2),
+                     lambda: other.wait_ready(1, timeout=5), other.writer,
+                     lambda: shmbuf.attach(buf.name)):
+            with pytest.raises(shmbuf.BufferClosedError, match="closed by its owner .pid 1."):
+                call()
+        assert other.stats().live_steps == 8  # a monitor can still look
+    finally:
+        other.close()
+
+
+def test_a_waiting_worker_wakes_up_when_the_owner_closes():
+    buf = shmbuf.create(SPEC, 64)
+    waiter = Script(f"""
+        import shmbuf
+        buf = shmbuf.attach({buf.name!r})
+        print("waiting", flush=True)
+        try:
+            buf.wait_ready(10, timeout=60)
+        except shmbuf.BufferClosedError:
+            print("closed", flush=True)
+    """)
+    try:
+        assert waiter.line() == "waiting"
+        buf.close()
+        assert waiter.line() == "closed"
+        assert waiter.wait() == 0
+    finally:
+        waiter.close()
+        buf.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", ["rm", "gc"])
+def test_shmbuf_rm_and_gc_mark_closed_before_removing(command, capsys):
+    if command == "rm":
+        owner = None
+        buf = shmbuf.create(SPEC, 256)
+        name = buf.name
+    else:  # gc takes only buffers whose owner died: make one in a child and SIGKILL it
+        owner = Script("""
+            import numpy as np, shmbuf
+            from helpers.workers import SPEC
+            buf = shmbuf.create(SPEC, 256, handle_signals=False)
+            print(buf.name, flush=True)
+            import time; time.sleep(600)
+        """)
+        name = owner.line()
+        owner.kill()
+        buf = None
+    worker = start_worker(name)
+    try:
+        assert cli.main([command] + ([name] if command == "rm" else [])) == 0
+        report = worker.json()
+        assert ("'shmbuf rm'" if command == "rm" else "'shmbuf gc'") in report["error"]
+        assert worker.wait() == 0
+        assert not shm_exists(name)
+    finally:
+        worker.close()
+        if owner is not None:
+            owner.close()
+        if buf is not None:
+            buf.close()
+
+
+def test_marking_leaves_foreign_and_missing_segments_alone(make_buffer):
+    name = f"shmbuf-test-foreign-{os.getpid()}"
+    with open(os.path.join("/dev/shm", name), "wb") as f:
+        f.write(b"\xff" * 4096)
+    try:
+        _segment._mark_closed(name, CLOSED_OWNER)
+        with open(os.path.join("/dev/shm", name), "rb") as f:
+            assert f.read() == b"\xff" * 4096
+        _segment._mark_closed("shmbuf-test-never-made", CLOSED_OWNER)  # quiet
+    finally:
+        os.unlink(os.path.join("/dev/shm", name))
+
+
+TRAINER = """
+    import json, multiprocessing as mp, os
+    import shmbuf
+    from helpers.stop_workers import write_forever
+    from helpers.workers import SPEC, verify_batch
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        with shmbuf.create(SPEC, 4096) as buf:
+            procs = [ctx.Process(target=write_forever, args=(buf, i)) for i in range(2)]
+            for p in procs:
+                p.start()
+            buf.wait_ready(500, timeout=60)
+            try:
+                print(json.dumps({"name": buf.name, "workers": [p.pid for p in procs]}),
+                      flush=True)
+                while True:
+                    verify_batch(buf.sample_sequences(4, 5))
+            finally:
+                print("unwound", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_sigint_to_the_trainer_alone_ends_everything():
+    """The bug: workers wrote into the unlinked segment forever and the exit-time join hung."""
+    trainer = Script(TRAINER)
+    workers = []
+    try:
+        info = trainer.json()
+        workers = info["workers"]
+        trainer.signal(signal.SIGINT)  # the trainer only, as `kill -INT`
+        assert trainer.line() == "unwound"
+        status = trainer.wait()  # multiprocessing's exit-time join returns
+        err = trainer.stderr()
+        assert status == -signal.SIGINT, err  # an uncaught KeyboardInterrupt
+        assert "KeyboardInterrupt" in err
+        assert err.count("BufferClosedError") == 2 and "closed by its owner" in err
+        wait_gone(workers)
+        assert not shm_exists(info["name"])
+    finally:
+        trainer.close()
+        kill_all(workers)
+
+
+class _raw:
+    """A plain read-write mapping of /dev/shm/NAME (bypasses shmbuf)."""
+
+    def __init__(self, name):
+        self.path = os.path.join("/dev/shm", name)
+
+    def __enter__(self):
+        import mmap
+
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self.mm = mmap.mmap(fd, 0)
+        finally:
+            os.close(fd)
+        return self.mm
+
+    def __exit__(self, *exc):
+        self.mm.close()
