@@ -1,0 +1,118 @@
+"""shmbuf past one machine: one shard per node on Ray, sampled as one buffer.
+
+Each shard is a named, detached Ray actor pinned to its node; it owns that
+node's shmbuf buffer.  Writers on a node with a shard attach to it by name
+and write through shared memory; writers elsewhere ship whole blocks of
+steps to a shard.  ``sample_sequences`` draws each batch uniformly over the
+valid windows of all shards: this node's share is read zero-copy, the
+others' shares are sampled on their nodes and cross the network as one
+batch each.
+
+Needs ``pip install 'shmbuf[ray]'``; ``import shmbuf`` never imports Ray.
+
+Example:
+    >>> import ray, shmbuf.ray as sray
+    >>> rb = sray.create(spec, capacity_per_shard=1_000_000, name="run-7")
+    >>> batch = rb.sample_sequences(50, 50)
+    >>> rb = sray.connect("run-7")     # a restarted trainer
+"""
+from __future__ import annotations
+
+import uuid
+
+import ray
+
+from shmbuf.ray._buffer import (DEFAULT_NAMESPACE, ShardedBuffer, ShardEntry, ShardStats,
+                                _alive_nodes, _entry, _start_shards, check_name)
+from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError
+from shmbuf.ray._prefetch import Prefetcher
+from shmbuf.ray._writers import LocalWriter, ShippingWriter
+from shmbuf.ray.dreamer import ReplayBuffer
+
+_OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault")
+
+
+def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
+           namespace: str = DEFAULT_NAMESPACE, nodes: list[str] | None = None,
+           node_resource: str | None = None, seed=None, timeout_s: float = 60.0,
+           **buffer_options) -> ShardedBuffer:
+    """Start one shard per alive node (or per node of ``nodes``); the caller owns them.
+
+    Args:
+        spec: ``{column: (shape, dtype)}``, as ``shmbuf.create``.
+        capacity_per_shard: steps each shard holds.
+        name: the buffer's name, by which ``connect`` finds it again
+            (letters, digits, ``._-``); generated if None.
+        namespace: the Ray namespace of the shard actors.
+        nodes: node ids to put shards on; default every alive node (that
+            has ``node_resource``, if given).
+        node_resource: only nodes advertising this custom resource get a
+            shard, now and at ``refresh()``.
+        seed: seed of this handle's generator (the split and the shards' draws).
+        timeout_s: bound on every call to a shard (start, fetch, flush).
+        **buffer_options: ``chunk_size``, ``max_writers``, ``done_key``,
+            ``episode_slots``, ``prefault`` of ``shmbuf.create``.
+
+    Raises:
+        ValueError: a bad name or option; a shard named like this exists.
+        ray.exceptions.GetTimeoutError: a shard did not start in time (the
+            others were closed).
+
+    Example:
+        >>> rb = sray.create({"obs": ((3, 64, 64), np.uint8), "done": ((), bool)},
+        ...                  capacity_per_shard=100_000, name="run-7")
+    """
+    unknown = sorted(set(buffer_options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown options {unknown}; shmbuf.ray.create takes {_OPTIONS}")
+    if not ray.is_initialized():
+        raise RuntimeError("shmbuf.ray.create needs a Ray connection: call ray.init(...) first")
+    name = check_name(name or f"rb-{uuid.uuid4().hex[:12]}")
+    if _shard_actors(name, namespace):
+        raise ValueError(f"a sharded buffer named {name!r} already exists in namespace "
+                         f"{namespace!r}; shmbuf.ray.connect({name!r}) reaches it")
+    targets = list(nodes) if nodes is not None else _alive_nodes(node_resource)
+    resource = node_resource if nodes is None else False   # False: refresh adds none
+    entries = _start_shards(name, namespace, spec, capacity_per_shard, buffer_options,
+                            targets, timeout_s, resource)
+    return ShardedBuffer(name, namespace, spec, capacity_per_shard, buffer_options, resource,
+                         entries, owner=True, seed=seed, timeout_s=timeout_s)
+
+
+def connect(name: str, *, namespace: str = DEFAULT_NAMESPACE, own: bool = False, seed=None,
+            timeout_s: float = 60.0) -> ShardedBuffer:
+    """Reach the live shards of buffer ``name`` again (a restarted trainer, a monitor).
+
+    Args:
+        own: take ownership: this handle's ``close()`` ends the shards.
+
+    Raises:
+        ShardedBufferNotFoundError: no live shard of that name in ``namespace``.
+
+    Example:
+        >>> rb = sray.connect("run-7", own=True)
+    """
+    check_name(name)
+    actors = _shard_actors(name, namespace)
+    if not actors:
+        raise ShardedBufferNotFoundError(
+            f"no live shard of {name!r} in Ray namespace {namespace!r}: it was closed, its "
+            "nodes died, or it lives in another namespace or cluster")
+    infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+    entries = [_entry(a, i) for a, i in zip(actors, infos)]
+    first = infos[0]
+    return ShardedBuffer(name, namespace, first["spec"], first["capacity"], first["options"],
+                         first["node_resource"], entries, owner=own, seed=seed,
+                         timeout_s=timeout_s)
+
+
+def _shard_actors(name: str, namespace: str) -> list:
+    prefix = name + "/"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == namespace and a["name"].startswith(prefix)]
+    return [ray.get_actor(n, namespace=namespace) for n in sorted(names)]
+
+
+__all__ = ["create", "connect", "ShardedBuffer", "ShardEntry", "ShardStats", "Prefetcher",
+           "LocalWriter", "ShippingWriter", "ReplayBuffer", "ShardLostError",
+           "ShardedBufferNotFoundError"]

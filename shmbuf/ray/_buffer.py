@@ -1,0 +1,407 @@
+"""``ShardedBuffer``: the table of shards, and what a trainer or a worker does with it."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+import shmbuf
+from shmbuf.ray import _sampler
+from shmbuf.ray._errors import ShardLostError, is_loss
+from shmbuf.ray._prefetch import Prefetcher
+from shmbuf.ray._shard import META_KEY, Shard, node_id
+from shmbuf.ray._writers import LocalWriter, ShippingWriter
+
+log = logging.getLogger("shmbuf.ray")
+
+DEFAULT_NAMESPACE = "shmbuf"
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
+
+
+@dataclasses.dataclass
+class ShardEntry:
+    """One shard as it reported itself: its node, its buffer's name, its actor."""
+
+    node_id: str
+    buffer: str
+    actor: object
+    capacity: int
+    chunk_size: int
+    ip: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardStats:
+    """One shard's entry in ``ShardedBuffer.stats()``.
+
+    ``health`` is ``"ok"``, or ``"lost"`` with ``error`` saying why; a lost
+    shard's counters are those of its last answer (zeros if none).
+    """
+
+    node_id: str
+    buffer: str
+    health: str
+    local: bool
+    live_steps: int = 0
+    steps_written: int = 0
+    episodes: int = 0
+    capacity: int = 0
+    writers: int = 0
+    remote_writers: int = 0
+    ingest_steps_per_s: float = 0.0
+    steps_received: int = 0
+    blocks_received: int = 0
+    samples_served: int = 0
+    windows_served: int = 0
+    error: str = ""
+
+
+class ShardedBuffer:
+    """A replay buffer with one shard per node; make one with ``create`` or ``connect``.
+
+    Pickles into Ray tasks and actors as a handle (names and actor handles,
+    never data); the copy never closes the shards.
+    """
+
+    def __init__(self, name: str, namespace: str, spec: dict, capacity: int, options: dict,
+                 node_resource: str | None, entries: list, *, owner: bool, seed=None,
+                 timeout_s: float = 60.0):
+        self.name, self.namespace = name, namespace
+        self._spec = {k: (tuple(s), np.dtype(d)) for k, (s, d) in spec.items()}
+        self._capacity, self._options = capacity, dict(options)
+        self._node_resource = node_resource
+        self._entries = {e.node_id: e for e in entries}
+        self._lost_entries: dict[str, tuple[ShardEntry, str]] = {}
+        self._owner = owner
+        self._seed = seed
+        self._rng = np.random.default_rng(seed)
+        self._timeout = float(timeout_s)
+        self._attachments: dict[str, shmbuf.Buffer] = {}
+        self._counts = _sampler.Counts()
+        self.timing = _sampler.new_timing()
+        self._closed = False
+
+    # -- identity -----------------------------------------------------------------------
+    @property
+    def spec(self) -> dict:
+        return dict(self._spec)
+
+    @property
+    def capacity_per_shard(self) -> int:
+        return self._capacity
+
+    @property
+    def owner(self) -> bool:
+        return self._owner
+
+    @property
+    def shards(self) -> list[ShardEntry]:
+        """The live shards, as they reported themselves."""
+        return list(self._entries.values())
+
+    def __repr__(self):
+        return (f"<shmbuf.ray.ShardedBuffer {self.name!r} namespace={self.namespace!r} "
+                f"shards={len(self._entries)}{' owner' if self._owner else ''}>")
+
+    # -- writing ----------------------------------------------------------------------
+    def writer(self, *, block_steps: int | None = None, max_inflight_bytes: int = 64 << 20,
+               shard: str | None = None):
+        """A writer for this process: shared memory if this node has a shard, else shipping.
+
+        Args:
+            block_steps: rows per stream in one shipped block (default: the
+                shard's chunk size, so whole chunks travel).
+            max_inflight_bytes: shipped bytes not yet written by the shard;
+                past it, ``add`` waits for the oldest block (backpressure).
+            shard: node id of the shard to ship to (default: this node's
+                shard if any, else one chosen at random).
+
+        Raises:
+            ShardLostError: no live shard.
+
+        Example:
+            >>> w = rb.writer(); w.add(obs=o, action=a, reward=r, done=d); w.close()
+        """
+        self._check_open()
+        here = node_id()
+        entry = self._entries.get(shard or here) or (None if shard else self._find(here))
+        if entry is not None and entry.node_id == here:
+            return LocalWriter(self._attached(entry), here, self._describe(entry))
+        if entry is None:
+            live = self.shards
+            if not live:
+                raise ShardLostError(f"{self!r} has no live shard to write to")
+            entry = live[int(self._rng.integers(len(live)))]
+        return ShippingWriter(entry.actor, entry.node_id, self._spec,
+                              block_steps=block_steps or entry.chunk_size,
+                              max_inflight_bytes=max_inflight_bytes, timeout_s=self._timeout,
+                              describe=self._describe(entry))
+
+    def _find(self, node: str) -> ShardEntry | None:
+        """A shard on ``node`` made after this handle was (refresh from another process)."""
+        try:
+            actor = ray.get_actor(_actor_name(self.name, node), namespace=self.namespace)
+            entry = _entry(actor, ray.get(actor.info.remote(), timeout=self._timeout))
+        except Exception as exc:
+            if isinstance(exc, ValueError) or is_loss(exc):
+                return None
+            raise
+        self._entries[entry.node_id] = entry
+        return entry
+
+    def _attached(self, entry: ShardEntry) -> shmbuf.Buffer:
+        """The shard's buffer, attached by name: only ever the shard of this node."""
+        buf = self._attachments.get(entry.node_id)
+        if buf is None:
+            here = node_id()
+            if entry.node_id != here:
+                raise RuntimeError(f"refusing to attach to the shard of node {entry.node_id} "
+                                   f"from node {here}: only a node's own shard is read "
+                                   "through shared memory")
+            buf = shmbuf.attach(entry.buffer)
+            meta = buf.meta
+            if meta.get(META_KEY) != self.name or meta.get("node_id") != here:
+                buf.close()
+                raise RuntimeError(f"segment {entry.buffer!r} is not the shard of {self.name!r} "
+                                   f"on node {here} (its meta: {meta})")
+            self._attachments[entry.node_id] = buf
+        return buf
+
+    def _local_shard(self) -> ShardEntry | None:
+        return self._entries.get(node_id())
+
+    # -- sampling ---------------------------------------------------------------------
+    def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
+                         out: dict | None = None, rng=None, tail: int = 0) -> dict:
+        """``batch_size`` windows uniform over all valid windows of all shards.
+
+        Each shard's share is drawn multinomially in proportion to its valid
+        starts; this node's shard is read from shared memory, the others
+        sample on their nodes and send one batch each.  Windows are grouped
+        by shard along the batch axis (shuffle before slicing the batch).
+
+        Args:
+            batch_size, length, time_major, tail: as ``shmbuf.Buffer.sample_sequences``.
+            out: optional dict of C-contiguous numpy arrays of the batch's shapes.
+            rng: a ``np.random.Generator`` or seed for the split and the
+                shards' draws; default this handle's generator (``seed=``).
+
+        Returns:
+            ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major).
+
+        Raises:
+            NotEnoughDataError: no shard holds a valid window yet.
+            ShardLostError: every shard is gone.
+
+        Example:
+            >>> batch = rb.sample_sequences(50, 50)
+        """
+        self._check_open()
+        gen = self._rng if rng is None else np.random.default_rng(rng)
+        lead = (length, batch_size) if time_major else (batch_size, length)
+        if out is None:
+            out = {k: np.empty(lead + s, d) for k, (s, d) in self._spec.items()}
+        p = _sampler.plan(self, batch_size, length, tail, time_major, gen)
+        return _sampler.finish(self, p, out, gen, self.timing)
+
+    def prefetch(self, batch_size: int, length: int, *, depth: int = 2, tail: int = 0,
+                 time_major: bool = True, device=None, pin_memory=None) -> Prefetcher:
+        """An iterator of global batches made ahead by a thread (see ``_prefetch``).
+
+        A yielded batch stays valid until the next ``next()``.
+
+        Example:
+            >>> with rb.prefetch(50, 50, depth=2) as it:
+            ...     batch = next(it)
+        """
+        self._check_open()
+        return Prefetcher(self, batch_size, length, depth=depth, tail=tail,
+                          time_major=time_major, device=device, pin_memory=pin_memory,
+                          timeout_s=self._timeout,
+                          rng=np.random.default_rng(self._rng.integers(1 << 63)))
+
+    def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
+        """Poll ``stats()`` until the live shards hold ``min_steps`` steps; return the sum."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.01
+        while True:
+            total = sum(s.live_steps for s in self.stats() if s.health == "ok")
+            if total >= min_steps:
+                return total
+            if deadline is not None and time.monotonic() > deadline:
+                raise shmbuf.WaitTimeoutError(f"{self!r} holds {total} live steps after "
+                                              f"{timeout} s; wanted {min_steps}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)
+
+    # -- shards coming and going --------------------------------------------------------
+    def _live(self) -> list[ShardEntry]:
+        return list(self._entries.values())
+
+    def _is_live(self, entry: ShardEntry) -> bool:
+        return entry.node_id in self._entries
+
+    def _lost(self, entry: ShardEntry, exc: BaseException) -> None:
+        """Drop a shard that failed: log it; sampling goes on with the others."""
+        if self._entries.pop(entry.node_id, None) is None:
+            return
+        buf = self._attachments.pop(entry.node_id, None)
+        if buf is not None:
+            buf.close()
+        self._lost_entries[entry.node_id] = (entry, f"{type(exc).__name__}: {exc}"[:500])
+        log.warning("shmbuf.ray: dropped the shard of %r on node %s (%s); sampling goes on "
+                    "with %d shard(s)", self.name, entry.node_id, type(exc).__name__,
+                    len(self._entries))
+
+    def refresh(self, nodes: list[str] | None = None) -> dict:
+        """Give a shard to every alive node that matches and has none; drop dead nodes' shards.
+
+        Call it after nodes join (an autoscaler, ``ray start`` on a new
+        machine).  The nodes that match are those of ``create``'s
+        ``node_resource`` (every node if None); a buffer made with an
+        explicit ``nodes=`` list grows only by the ``nodes`` given here.
+        Idempotent and safe from any process: shard names are a function of
+        the node id, so two callers get the same actor.
+
+        Returns:
+            ``{"added": [node ids], "dropped": [node ids]}``.
+        """
+        self._check_open()
+        alive = _alive_nodes(None)
+        dropped = [n for n in list(self._entries) if n not in alive]
+        alive = [n for n in (_alive_nodes(self._node_resource) if nodes is None else nodes)
+                 if n in alive]
+        for n in dropped:
+            self._lost(self._entries[n], ShardLostError(f"node {n} is no longer alive"))
+        wanted = [n for n in alive if n not in self._entries]
+        added = _start_shards(self.name, self.namespace, self._spec, self._capacity,
+                              self._options, wanted, self._timeout, self._node_resource)
+        for e in added:
+            self._entries[e.node_id] = e
+            self._lost_entries.pop(e.node_id, None)
+        return {"added": [e.node_id for e in added], "dropped": dropped}
+
+    # -- counters and lifecycle ---------------------------------------------------------
+    def stats(self) -> list[ShardStats]:
+        """One entry per shard, live or lost: node, live steps, rates, health."""
+        self._check_open()
+        here = node_id()
+        entries = self._live()
+        refs = [e.actor.stats.remote() for e in entries]
+        out = []
+        for e, ref in zip(entries, refs):
+            try:
+                s = ray.get(ref, timeout=self._timeout)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                self._lost(e, exc)
+                continue
+            out.append(ShardStats(health="ok", local=e.node_id == here, **s))
+        for e, why in self._lost_entries.values():
+            out.append(ShardStats(e.node_id, e.buffer, "lost", e.node_id == here, error=why))
+        return out
+
+    def close(self) -> None:
+        """Owner: close every shard (each unlinks its segment) and end its actor.
+
+        Any other handle only unmaps what it attached.  Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for buf in self._attachments.values():
+            buf.close()
+        self._attachments.clear()
+        if not self._owner:
+            return
+        entries = self._live()
+        refs = [e.actor.close.remote() for e in entries]
+        for e, ref in zip(entries, refs):
+            try:
+                ray.get(ref, timeout=self._timeout)
+            except Exception as exc:
+                if not is_loss(exc):
+                    log.warning("closing the shard on node %s: %r", e.node_id, exc)
+            ray.kill(e.actor, no_restart=True)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise shmbuf.BufferClosedError(f"{self!r} is closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        args = (self.name, self.namespace, self._spec, self._capacity, self._options,
+                self._node_resource, self._live())
+        return _rebuild, (args, self._timeout)
+
+    def _describe(self, entry: ShardEntry) -> str:
+        return f"the shard of {self.name!r} on node {entry.node_id} ({entry.buffer})"
+
+
+def _rebuild(args, timeout_s):
+    return ShardedBuffer(*args, owner=False, timeout_s=timeout_s)
+
+
+def _actor_name(rb_name: str, node: str) -> str:
+    return f"{rb_name}/{node}"
+
+
+def _entry(actor, info: dict) -> ShardEntry:
+    return ShardEntry(info["node_id"], info["buffer"], actor, info["capacity"],
+                      info["chunk_size"], info["ip"])
+
+
+def _alive_nodes(resource) -> list[str]:
+    """Alive nodes with ``resource`` (any node if None, none if False)."""
+    if resource is False:
+        return []
+    return [n["NodeID"] for n in ray.nodes()
+            if n.get("Alive") and (resource is None or n.get("Resources", {}).get(resource))]
+
+
+def _start_shards(name, namespace, spec, capacity, options, nodes, timeout,
+                  node_resource=None) -> list[ShardEntry]:
+    actors = [Shard.options(name=_actor_name(name, n), namespace=namespace, lifetime="detached",
+                            get_if_exists=True,
+                            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+              .remote(name, spec, capacity, options, node_resource) for n in nodes]
+    infos = [a.info.remote() for a in actors]
+    entries = []
+    try:
+        for n, a, ref in zip(nodes, actors, infos):
+            info = ray.get(ref, timeout=timeout)
+            if info["node_id"] != n:
+                raise RuntimeError(f"the shard meant for node {n} runs on {info['node_id']}")
+            entries.append(_entry(a, info))
+    except BaseException:
+        _end(actors, timeout)
+        raise
+    return entries
+
+
+def _end(actors, timeout) -> None:
+    """Close and kill shards (a failed start): their segments are unlinked by their owner."""
+    refs = [a.close.remote() for a in actors]
+    try:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout)
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"name must be 1-100 letters, digits, '.', '_' or '-', got {name!r}")
+    return name

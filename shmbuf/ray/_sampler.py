@@ -1,0 +1,212 @@
+"""Global batches: split across shards, local part from shared memory, the rest over Ray.
+
+A batch of ``B`` windows is split by one multinomial draw over the shards,
+with probabilities proportional to each shard's valid starts (``_count``),
+then each shard draws its share uniformly over its own valid starts: so the
+batch is uniform over all valid windows of all shards, and no window spans
+two shards (each is drawn inside one shard's buffer).
+
+``plan`` makes the split and sends the remote requests at once; ``finish``
+samples the local share (zero-copy from this node's shard), waits for the
+remote replies (numpy arrays read in place from the object store) and copies
+each into its slice of the output.  The prefetcher keeps several plans in
+flight, so remote shards sample while the trainer trains.
+
+A remote shard's count comes back with each reply it sends; a count older
+than ``COUNT_MAX_AGE_S`` is refreshed by a call that is not waited for.  A
+split may thus use counts up to one batch (or one second) old: writers only
+add windows, so this under-weights the freshest few steps of a shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import ray
+
+from shmbuf import NotEnoughDataError
+from shmbuf.ray._count import valid_starts
+from shmbuf.ray._errors import ShardLostError, is_loss
+
+COUNT_MAX_AGE_S = 1.0
+_VALID = "__valid__"
+
+
+@dataclasses.dataclass
+class Part:
+    shard: object           # a ShardEntry
+    n: int
+    ref: object = None      # the remote reply; None for the local shard
+
+
+@dataclasses.dataclass
+class Plan:
+    batch_size: int
+    length: int
+    tail: int
+    time_major: bool
+    parts: list
+
+
+class Counts:
+    """The latest valid-start count of each remote shard, per ``(length, tail)``."""
+
+    def __init__(self):
+        self._known: dict = {}       # (node, length, tail) -> (count, monotonic time)
+        self._asked: dict = {}       # (node, length, tail) -> ref of a count call
+
+    def put(self, node: str, length: int, tail: int, count: int) -> None:
+        self._known[(node, length, tail)] = (int(count), time.monotonic())
+
+    def get(self, shards, length: int, tail: int, timeout: float, lost) -> list[int]:
+        """One count per shard: cached, refreshed in the background when old.
+
+        Shards never counted are asked and waited for (once, in parallel).
+        ``lost(shard, exc)`` is called for a shard that fails to answer.
+        """
+        self._collect(lost)
+        now, missing = time.monotonic(), []
+        for s in shards:
+            key = (s.node_id, length, tail)
+            have = self._known.get(key)
+            if have is None:
+                missing.append(s)
+            elif now - have[1] > COUNT_MAX_AGE_S and key not in self._asked:
+                self._asked[key] = (s, s.actor.count.remote(length, tail))
+        if missing:
+            refs = [s.actor.count.remote(length, tail) for s in missing]
+            for s, ref in zip(missing, refs):
+                try:
+                    self.put(s.node_id, length, tail, ray.get(ref, timeout=timeout))
+                except Exception as exc:
+                    if not is_loss(exc):
+                        raise
+                    lost(s, exc)
+                    self.put(s.node_id, length, tail, 0)
+        return [self._known[(s.node_id, length, tail)][0] for s in shards]
+
+    def _collect(self, lost) -> None:
+        """Take the answers of background count calls that have arrived."""
+        if not self._asked:
+            return
+        refs = [ref for _, ref in self._asked.values()]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ready = set(ready)
+        for key, (shard, ref) in list(self._asked.items()):
+            if ref in ready:
+                del self._asked[key]
+                try:
+                    self.put(key[0], key[1], key[2], ray.get(ref, timeout=0))
+                except Exception as exc:
+                    if not is_loss(exc):
+                        raise
+                    lost(shard, exc)
+
+
+def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
+         rng: np.random.Generator, exclude=()) -> Plan:
+    """Split a batch over the live shards and send the remote requests."""
+    shards = [s for s in rb._live() if s.node_id not in exclude]
+    if not shards:
+        raise ShardLostError(f"{rb!r} has no live shard left to sample from")
+    local = rb._local_shard()
+    counts = np.zeros(len(shards), np.float64)
+    remote = [i for i, s in enumerate(shards) if s is not local]
+    if remote:
+        got = rb._counts.get([shards[i] for i in remote], length, tail, rb._timeout, rb._lost)
+        counts[remote] = got
+    for i, s in enumerate(shards):
+        if s is local:
+            counts[i] = valid_starts(rb._attached(s), length, tail, rng)
+        elif not rb._is_live(s):
+            counts[i] = 0
+    total = counts.sum()
+    if total <= 0:
+        raise NotEnoughDataError(
+            f"no shard of {rb!r} holds a valid window of length {length} (tail {tail}) yet: "
+            f"{len(shards)} live shards; wait for the writers (rb.wait_ready) or ask for "
+            "shorter windows")
+    split = rng.multinomial(batch_size, counts / total)
+    parts = []
+    for s, n in zip(shards, split):
+        if not n:
+            continue
+        ref = None
+        if s is not local:
+            seed = int(rng.integers(1 << 63))
+            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed)
+        parts.append(Part(s, int(n), ref))
+    return Plan(batch_size, length, tail, time_major, parts)
+
+
+def finish(rb, p: Plan, out: dict, rng: np.random.Generator, timing: dict) -> dict:
+    """Fill ``out`` (``{col: array}`` of the batch's shape) from the plan's parts."""
+    offset = 0
+    for part in sorted(p.parts, key=lambda q: q.ref is not None):   # local first
+        _fill(rb, p, part, _slices(out, offset, part.n, p.time_major), rng, timing)
+        offset += part.n
+    timing["batches"] += 1
+    return out
+
+
+def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) -> None:
+    t0 = time.perf_counter()
+    if part.ref is None:
+        _sample_local(rb, p, part, dest, rng)
+        timing["local_s"] += time.perf_counter() - t0
+        timing["local_windows"] += part.n
+        return
+    try:
+        reply = ray.get(part.ref, timeout=rb._timeout)
+    except Exception as exc:
+        if isinstance(exc, NotEnoughDataError):     # the count was stale: no window now
+            rb._counts.put(part.shard.node_id, p.length, p.tail, 0)
+        elif is_loss(exc):
+            rb._lost(part.shard, exc)
+        else:
+            raise
+        _redo(rb, p, part, dest, rng, timing, exclude + (part.shard.node_id,))
+        return
+    t1 = time.perf_counter()
+    rb._counts.put(part.shard.node_id, p.length, p.tail, reply.pop(_VALID))
+    for k, v in reply.items():
+        np.copyto(dest[k], v)
+        timing["remote_bytes"] += v.nbytes
+    t2 = time.perf_counter()
+    timing["remote_wait_s"] += t1 - t0
+    timing["remote_copy_s"] += t2 - t1
+    timing["remote_windows"] += part.n
+
+
+def _redo(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude: tuple) -> None:
+    """Draw a failed part's windows again from the other shards."""
+    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude)
+    offset = 0
+    for q in sorted(sub.parts, key=lambda q: q.ref is not None):
+        _fill(rb, sub, q, _slices(dest, offset, q.n, p.time_major), rng, timing, exclude)
+        offset += q.n
+
+
+def _sample_local(rb, p: Plan, part: Part, dest: dict, rng) -> None:
+    buf = rb._attached(part.shard)
+    seed = int(rng.integers(1 << 63))
+    if all(a.flags.c_contiguous for a in dest.values()):
+        buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
+                             out=dest, rng=seed)
+        return
+    batch = buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
+                                 rng=seed)
+    for k, v in batch.items():
+        np.copyto(dest[k], v)
+
+
+def _slices(out: dict, offset: int, n: int, time_major: bool) -> dict:
+    if time_major:
+        return {k: a[:, offset:offset + n] for k, a in out.items()}
+    return {k: a[offset:offset + n] for k, a in out.items()}
+
+
+def new_timing() -> dict:
+    return {"batches": 0, "local_windows": 0, "remote_windows": 0, "remote_bytes": 0,
+            "local_s": 0.0, "remote_wait_s": 0.0, "remote_copy_s": 0.0}

@@ -1,0 +1,187 @@
+"""One shard: a Ray actor on one node that owns that node's shmbuf buffer.
+
+The actor creates the buffer in its own node's ``/dev/shm`` and reports the
+node id it observes itself running on; everything else (the table of
+shards, the writers' choice between shared memory and shipping, the
+sampler's choice between a zero-copy read and a remote call) trusts that
+report, never the node the actor was asked to go to.
+
+Calls run in three concurrency groups so that a sample never waits behind a
+queue of ingested chunks: ``ingest`` (one thread, so each remote writer's
+blocks are written by one thread), ``sample`` (two threads), and the default
+group (info, stats, close).  Ray does not promise that a threaded actor runs
+one caller's calls in order (a call whose argument is still being fetched
+can be overtaken), so every shipped block carries a sequence number and a
+block that arrives early waits in ``_Inbox`` for its predecessors.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import ray
+
+import shmbuf
+from shmbuf.ray._count import valid_starts
+
+log = logging.getLogger("shmbuf.ray")
+
+INGEST, SAMPLE = "ingest", "sample"
+META_KEY = "shmbuf.ray"
+
+
+def node_id() -> str:
+    """The hex id of the Ray node this process runs on (Ray must be initialised)."""
+    return ray.get_runtime_context().get_node_id()
+
+
+class _Inbox:
+    """One remote writer's blocks, applied strictly in sequence order."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.next_seq = 0
+        self.early: dict[int, tuple] = {}
+        self.last_used = time.monotonic()
+
+
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={INGEST: 1, SAMPLE: 2})
+class Shard:
+    """The actor; made by ``ShardedBuffer`` (see ``shmbuf.ray``), not by users."""
+
+    def __init__(self, rb_name: str, spec: dict, capacity: int, options: dict,
+                 node_resource: str | None = None):
+        self._node = node_id()
+        self._rb = rb_name
+        self._options, self._node_resource = dict(options), node_resource
+        meta = {META_KEY: rb_name, "node_id": self._node}
+        self._buf = shmbuf.create(spec, capacity, meta=meta, **options)
+        self._rng = np.random.default_rng()
+        self._inboxes: dict[str, _Inbox] = {}
+        self._lock = threading.Lock()
+        self._received = {"blocks": 0, "steps": 0, "samples": 0, "sampled_windows": 0}
+        self._last_rate = (time.monotonic(), 0)
+        self._closed = False
+        log.info("shard of %s on node %s: buffer %s", rb_name, self._node, self._buf.name)
+
+    def info(self) -> dict:
+        """Who and where: the node id this actor observes, its buffer's name and geometry."""
+        return {"node_id": self._node, "buffer": self._buf.name, "pid": os.getpid(),
+                "host": socket.gethostname(), "ip": ray.util.get_node_ip_address(),
+                "capacity": self._buf.capacity, "chunk_size": self._buf.chunk_size,
+                "spec": self._buf.spec, "options": self._options,
+                "node_resource": self._node_resource}
+
+    # -- ingest: whole blocks from writers on nodes without a shard ---------------------
+    @ray.method(concurrency_group=INGEST)
+    def ingest(self, key: str, seq: int, columns: dict, cuts: list) -> int:
+        """Write one block ``{col: (n_streams, T, ...)}`` of remote writer ``key``.
+
+        ``cuts`` are ``(p, env)``: an ``end_episode(env)`` after ``p`` rows of
+        the block.  Returns the steps of this writer applied so far.
+        """
+        with self._lock:
+            self._check_open()
+            box = self._inboxes.get(key)
+            if box is None:
+                box = self._inboxes[key] = _Inbox(self._buf.writer())
+            box.early[seq] = (columns, cuts)
+            while box.next_seq in box.early:
+                cols, cs = box.early.pop(box.next_seq)
+                _write_block(box.writer, cols, cs)
+                box.next_seq += 1
+                rows = int(np.prod(next(iter(cols.values())).shape[:2]))
+                self._received["blocks"] += 1
+                self._received["steps"] += rows
+            box.last_used = time.monotonic()
+            return box.writer.steps
+
+    @ray.method(concurrency_group=INGEST)
+    def release(self, key: str) -> None:
+        """Remote writer ``key`` closed: seal its streams and free its writer slot."""
+        with self._lock:
+            box = self._inboxes.pop(key, None)
+            if box is not None:
+                box.writer.close()
+
+    # -- sampling -----------------------------------------------------------------------
+    @ray.method(concurrency_group=SAMPLE)
+    def sample(self, n: int, length: int, tail: int, time_major: bool, seed: int) -> dict:
+        """``n`` windows drawn here, as one contiguous batch, plus this shard's fresh count.
+
+        The reply is ``{col: array, "__valid__": int}``; the arrays travel
+        through the object store and are read zero-copy where they land.
+        """
+        self._check_open()
+        batch = self._buf.sample_sequences(n, length, tail=tail, time_major=time_major,
+                                           rng=seed)
+        self._received["samples"] += 1
+        self._received["sampled_windows"] += n
+        batch["__valid__"] = valid_starts(self._buf, length, tail, self._rng)
+        return batch
+
+    @ray.method(concurrency_group=SAMPLE)
+    def count(self, length: int, tail: int) -> int:
+        """This shard's valid window starts now (exact when small, else estimated)."""
+        self._check_open()
+        return valid_starts(self._buf, length, tail, self._rng)
+
+    # -- counters and lifecycle -----------------------------------------------------------
+    def stats(self) -> dict:
+        self._check_open()
+        s = self._buf.stats()
+        now = time.monotonic()
+        t0, w0 = self._last_rate
+        self._last_rate = (now, s.steps_written)
+        rate = (s.steps_written - w0) / (now - t0) if now > t0 else 0.0
+        return {"node_id": self._node, "buffer": self._buf.name, "capacity": s.capacity,
+                "live_steps": s.live_steps, "steps_written": s.steps_written,
+                "episodes": s.episodes, "writers": s.writers,
+                "remote_writers": len(self._inboxes), "ingest_steps_per_s": rate,
+                "blocks_received": self._received["blocks"],
+                "steps_received": self._received["steps"],
+                "samples_served": self._received["samples"],
+                "windows_served": self._received["sampled_windows"]}
+
+    def close(self) -> bool:
+        """Close every remote writer's stream and the buffer (which unlinks its segment)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._closed = True
+            for box in self._inboxes.values():
+                box.writer.close()
+            self._inboxes.clear()
+            self._buf.close()
+            log.info("shard of %s on node %s closed", self._rb, self._node)
+            return True
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise shmbuf.BufferClosedError(
+                f"the shard of {self._rb!r} on node {self._node} was closed")
+
+
+def _write_block(writer, columns: dict, cuts: list) -> None:
+    """Append a block ``(n, T, ...)`` row by row in time, cutting where ``cuts`` say.
+
+    ``Writer.add_batch`` keeps one stream per remote stream, so the block's
+    episodes and stream boundaries are kept exactly.
+    """
+    first = next(iter(columns.values()))
+    n, steps = first.shape[:2]
+    at: dict[int, list[int]] = {}
+    for p, env in cuts:
+        at.setdefault(int(p), []).append(int(env))
+    for t in range(steps + 1):
+        for env in at.get(t, ()):
+            try:
+                writer.end_episode(env=env)
+            except IndexError:
+                pass  # nothing written to that stream yet: nothing to cut
+        if t < steps:
+            writer.add_batch(**{c: a[:, t] for c, a in columns.items()})
