@@ -19,6 +19,9 @@ SHM = "/dev/shm"
 # sessions run tests on the same machine at the same time.
 TAG = f"t{os.getpid()}-"
 os.environ["SHMBUF_NAME_TAG"] = TAG
+# Ray (tests/test_ray.py) must resolve this host's address as loopback, in the driver
+# too, before anything imports ray: all of its traffic stays on 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
 def _ours(name: str) -> bool:
