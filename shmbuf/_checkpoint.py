@@ -1,16 +1,27 @@
 """Copy a buffer's live steps out, oldest first, and write them back.
 
-The copy is validated chunk by chunk like a sample: a chunk recycled while
-it was copied is dropped (its steps are gone by then anyway).  Restoring
-replays the steps through writers, one per original stream, in the original
-order, so episode cuts, stream boundaries and FIFO order survive; a
-checkpoint larger than the target keeps its newest steps.
+The copy goes chunk by chunk, oldest claim first, straight into arrays
+sized for every live row: one extra copy of the live data at most, never
+two.  Each chunk is validated after its copy like a sample (``Ring.unchanged``):
+a chunk recycled meanwhile is dropped, the next chunk is copied over its
+rows, and the rest of its stream gets a stream id of its own so that no
+window ever joins the steps on both sides of the hole.  The result is a set
+of whole chunks, never a torn step.
+
+Restoring replays the steps through writers, one per stream, in the
+original order, so episode cuts, stream boundaries and FIFO order survive;
+a checkpoint larger than the target keeps its newest steps.
+
+``state_dict`` holds the same as torch tensors and plain values, for
+``torch.save`` / ``torch.load(weights_only=True)``; a column whose dtype
+torch lacks (fixed-width strings, non-native byte order) travels as raw
+bytes, ``uint8 (n, row bytes)``, and the schema says how to read it back.
 """
 from __future__ import annotations
 
-import numpy as np
+from typing import Any, Callable
 
-from typing import Any
+import numpy as np
 
 from ._layout import EP_COLUMN
 from ._ring import Ring
@@ -18,36 +29,139 @@ from ._ring import Ring
 FORMAT = "shmbuf-steps-v1"
 
 
+def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
+              empty: Callable[[str, int], np.ndarray]) -> tuple[dict, np.ndarray, int]:
+    """Copy the live rows of ``names`` into ``empty(name, rows)`` arrays, oldest chunk first.
+
+    Returns ``(arrays, stream, n)``: the first ``n`` rows of each array (and
+    of the int64 ``stream`` array) are whole chunks; rows past ``n`` are
+    unused (chunks recycled while they were copied).
+    """
+    live = ring.live_chunks()
+    total = int(live.count.sum())
+    out = {name: empty(name, total) for name in names}
+    stream = np.empty(total, np.int64)
+    renamed: dict[int, int] = {}
+    next_id = int(live.stream.max()) + 1 if total else 0
+    at = 0
+    for chunk, seq, count, sid, base in zip(live.chunk.tolist(), live.seq.tolist(),
+                                            live.count.tolist(), live.stream.tolist(),
+                                            live.base.tolist()):
+        for name in names:
+            out[name][at:at + count] = views[name][base:base + count]
+        if not ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
+            renamed[sid] = next_id   # recycled while copied: what follows is a new stream
+            next_id += 1
+            continue
+        stream[at:at + count] = renamed.get(sid, sid)
+        at += count
+    return out, stream, at
+
+
 def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
     """``{"format", "spec", "columns": {name: array}, "stream", "episode"}``, oldest first."""
     lay = ring.layout
-    live = ring.live_chunks()
-    parts: dict[str, list] = {c.name: [] for c in lay.columns}
-    streams = []
-    for chunk, seq, count, stream, base in zip(live.chunk, live.seq, live.count, live.stream,
-                                               live.base):
-        rows = slice(int(base), int(base + count))
-        copies = {name: views[name][rows].copy() for name in parts}
-        if not ring.unchanged(chunk[None], seq[None])[0]:
-            continue  # recycled while copied
-        for name, arr in copies.items():
-            parts[name].append(arr)
-        streams.append(np.full(int(count), int(stream), np.int64))
+    names = [c.name for c in lay.user_columns] + [EP_COLUMN]
 
-    def joined(name):
+    def empty(name, n):
         col = lay.column(name)
-        empty = np.empty((0,) + col.shape, col.dtype)
-        return np.concatenate(parts[name]) if parts[name] else empty
+        return np.empty((n,) + col.shape, col.dtype)
 
+    out, stream, n = copy_live(ring, views, names, empty)
     return {
         "format": FORMAT,
         "spec": {c.name: (list(c.shape), c.dtype.str) for c in lay.user_columns},
-        "columns": {c.name: joined(c.name) for c in lay.user_columns},
-        "stream": np.concatenate(streams) if streams else np.empty(0, np.int64),
-        "episode": joined(EP_COLUMN),
+        "columns": {c.name: out[c.name][:n] for c in lay.user_columns},
+        "stream": stream[:n],
+        "episode": out[EP_COLUMN][:n],
     }
 
 
+# -- torch ------------------------------------------------------------------------------
+def _torch_dtype(dtype: np.dtype):
+    """torch's dtype for ``dtype``, or None when torch has none (then: raw bytes)."""
+    import torch
+
+    try:
+        return torch.from_numpy(np.empty(0, dtype)).dtype
+    except TypeError:
+        return None
+
+
+def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The checkpoint as torch tensors and plain values: one copy of the live rows."""
+    import torch
+
+    lay = ring.layout
+    names = [c.name for c in lay.user_columns] + [EP_COLUMN]
+    tensors: dict[str, Any] = {}
+    raw: list[str] = []
+
+    def empty(name, n):
+        col = lay.column(name)
+        tdtype = _torch_dtype(col.dtype)
+        if tdtype is None:
+            raw.append(name)
+            tensors[name] = torch.empty((n, col.row_bytes), dtype=torch.uint8)
+            return tensors[name].numpy().view(col.dtype).reshape((n,) + col.shape)
+        tensors[name] = torch.empty((n,) + col.shape, dtype=tdtype)
+        return tensors[name].numpy()
+
+    _, stream, n = copy_live(ring, views, names, empty)
+    for name, t in tensors.items():
+        tensors[name] = _shrink(t, n)
+    return {
+        "format": FORMAT,
+        "spec": {c.name: [list(c.shape), c.dtype.str] for c in lay.user_columns},
+        "raw_bytes": raw,
+        "columns": {c.name: tensors[c.name] for c in lay.user_columns},
+        "stream": torch.from_numpy(stream[:n].copy()),
+        "episode": tensors[EP_COLUMN],
+    }
+
+
+def _shrink(t, n: int):
+    """``t[:n]`` that owns only its rows (``torch.save`` writes a view's whole storage)."""
+    if n == len(t):
+        return t
+    row = t[0].numel() * t.element_size() if len(t) else 0
+    storage = t.untyped_storage()
+    storage.resize_(n * row)   # realloc in place: no second copy of the rows
+    return t.new_empty(0).set_(storage, 0, (n,) + tuple(t.shape[1:]))
+
+
+def from_state_dict(buf, state: dict[str, Any]) -> dict[str, Any]:
+    """A ``state_dict`` as the numpy ``snapshot`` that ``restore`` takes (views, no copies)."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        got = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"state: expected a shmbuf state_dict of format {FORMAT!r}, got {got!r}")
+    for key in ("spec", "columns", "stream", "episode"):
+        if key not in state:
+            raise ValueError(f"state: a shmbuf state_dict has the key {key!r}; this one has "
+                             f"{sorted(state)}")
+    raw = set(state.get("raw_bytes", ()))
+    spec = {k: (list(v[0]), str(v[1])) for k, v in state["spec"].items()}
+    columns = {}
+    for name, t in state["columns"].items():
+        arr = _numpy(t, f"state['columns'][{name!r}]")
+        if name in raw and name in spec:
+            shape, dtype = spec[name]
+            arr = np.ascontiguousarray(arr).view(np.dtype(dtype)).reshape((len(arr),) + tuple(shape))
+        columns[name] = arr
+    return {"format": FORMAT, "spec": spec, "columns": columns,
+            "stream": _numpy(state["stream"], "state['stream']"),
+            "episode": _numpy(state["episode"], "state['episode']")}
+
+
+def _numpy(value, what: str) -> np.ndarray:
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    if isinstance(value, np.ndarray):
+        return value
+    raise ValueError(f"{what}: expected a tensor, got {type(value).__name__}")
+
+
+# -- checks and restore -------------------------------------------------------------------
 def check_compatible(buf, state: dict[str, Any]) -> None:
     """Raise ValueError naming what differs between ``state`` and ``buf``."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
@@ -58,6 +172,9 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
     if mine != theirs:
         raise ValueError(f"state: checkpoint schema {theirs} does not match the buffer's {mine}")
     n = len(state["stream"])
+    if set(state["columns"]) != set(buf.spec):
+        raise ValueError(f"state['columns'] has {sorted(state['columns'])}, the buffer "
+                         f"{sorted(buf.spec)}")
     for name, arr in state["columns"].items():
         shape, dtype = buf.spec[name]
         arr = np.asarray(arr)

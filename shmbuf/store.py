@@ -14,6 +14,7 @@ from ._errors import BufferClosedError, OwnerAliveError, SampleRetryError, WaitT
 from ._layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ._out import prepare_out as _prepare_out
 from ._pages import ChunkPages
+from ._process_rng import ProcessRandom
 from ._procs import is_alive, my_start_time
 from ._ring import (Episodes, Ring, closed_message, closed_word, owner_alive, owner_record,
                     take_ownership)
@@ -70,7 +71,7 @@ class Buffer(Shared):
         self._ring = Ring(segment.mmap, layout, segment.name)
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
-        self._rng = np.random.default_rng(seed)
+        self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
         self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._savers = set()
         self._open(segment)
@@ -113,13 +114,21 @@ class Buffer(Shared):
     # -- views ----------------------------------------------------------------
     @property
     def arrays(self) -> dict[str, np.ndarray]:
-        """Zero-copy numpy views of each column's whole storage, ``(capacity, *shape)``."""
+        """Zero-copy numpy views of each column's raw storage, ``(capacity, *shape)``.
+
+        Raw: rows are in no time order, streams interleave chunk by chunk,
+        rows that hold no step (or a recycled one) are included, and a writer
+        recycling a chunk may rewrite its rows at any moment.
+        ``committed_rows()`` lists the rows that hold a step right now.  For
+        ordered, validated reads use ``sample_*``, ``iter_episodes`` or
+        ``state_dict``.
+        """
         self._check_open()
         return {c.name: self._views[c.name] for c in self._layout.user_columns}
 
     @property
     def tensors(self) -> dict:
-        """Zero-copy torch views of the same storage (imports torch on first use)."""
+        """Zero-copy torch views of the same raw storage as ``arrays`` (imports torch)."""
         import torch
 
         return {k: torch.from_numpy(v) for k, v in self.arrays.items()}
@@ -153,8 +162,9 @@ class Buffer(Shared):
                 ``(batch, length, ...)``.
             out: optional dict of preallocated numpy arrays or torch tensors
                 (pinned ones included) of exactly that shape and dtype.
-            rng: a ``np.random.Generator`` or an int seed; default the
-                buffer's own generator (``seed=`` of create/attach).
+            rng: a ``np.random.Generator`` or an int seed; default this
+                process's own stream of the buffer (``seed=`` of create/attach;
+                a forked or spawned child never repeats its parent's draws).
             tail: the last ``tail`` rows only have to follow the window in its
                 stream: they may lie past a terminal step of the first
                 ``length - tail`` rows (next-frame targets; mask them with
@@ -181,20 +191,9 @@ class Buffer(Shared):
             >>> batch["obs"].shape   # (50, 50, 3, 64, 64)
         """
         self._check_live()
-        batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
-        length = check_int("length", length, 1, self._layout.capacity)
-        if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
-                0 <= tail < length):
-            raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
-                             f"got {tail!r}")
-        if uniform not in _UNIFORM:
-            raise ValueError(f"uniform must be one of {_UNIFORM}, got {uniform!r}")
-        if newest is not None:
-            if uniform != "episodes":
-                raise ValueError("newest= applies to uniform='episodes' only; got "
-                                 f"uniform={uniform!r}")
-            newest = check_int("newest", newest, 1)
-        gen = self._rng if rng is None else np.random.default_rng(rng)
+        batch_size, length, tail, newest = self._sample_args(batch_size, length, tail, uniform,
+                                                             newest)
+        gen = self._random.get() if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         targets = _prepare_out(out, self.spec, lead)
         if uniform == "steps":
@@ -216,6 +215,24 @@ class Buffer(Shared):
         raise SampleRetryError(
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
             f"(capacity {self.capacity}) is too small for its ingest rate")
+
+    def _sample_args(self, batch_size, length, tail=0, uniform="steps", newest=None):
+        """The checked ``(batch_size, length, tail, newest)`` of a sample (also for
+        ``dataset`` and ``prefetch``, which must fail at the door like ``sample_*``)."""
+        batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
+        length = check_int("length", length, 1, self._layout.capacity)
+        if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
+                0 <= tail < length):
+            raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
+                             f"got {tail!r}")
+        if uniform not in _UNIFORM:
+            raise ValueError(f"uniform must be one of {_UNIFORM}, got {uniform!r}")
+        if newest is not None:
+            if uniform != "episodes":
+                raise ValueError("newest= applies to uniform='episodes' only; got "
+                                 f"uniform={uniform!r}")
+            newest = check_int("newest", newest, 1)
+        return batch_size, length, int(tail), newest
 
     def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None) -> dict:
         """Draw ``batch_size`` single steps uniformly, with replacement: ``{column: (batch, ...)}``.
@@ -248,6 +265,119 @@ class Buffer(Shared):
                 np.take(src, idx, axis=0, out=target.array, mode="clip")
             else:
                 target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
+
+    # -- the trainer's data path ---------------------------------------------------------
+    def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
+                **sample_kwargs):
+        """A torch ``IterableDataset`` whose items are whole batches, for a ``DataLoader``.
+
+        Each item is ``sample_sequences(batch_size, length, **sample_kwargs)``
+        as a dict of CPU tensors (time-major by default), already collated:
+        give the loader ``batch_size=None``.  Works with any start method and
+        ``persistent_workers``: each worker attaches by name (the dataset
+        pickles to the name and its arguments) and draws its own random
+        stream.  In a worker the batch is gathered straight into torch's
+        shared memory, so handing it to the trainer copies nothing more.
+
+        Args:
+            batch_size, length, **sample_kwargs: as ``sample_sequences``
+                (``time_major``, ``tail``, ``uniform``, ``newest``).
+            batches: batches per pass (an epoch), split over the workers;
+                None (default): endless.
+            seed: the streams' seed (see ``create``); default this buffer's.
+
+        Returns:
+            ``shmbuf.dataset.BatchDataset``.  When the buffer is closed or its
+            owner removes it, iteration ends after the batch in hand; a
+            worker that starts after the buffer is gone raises
+            ``SegmentNotFoundError``.
+
+        Raises:
+            ValueError / TypeError: a bad argument, as ``sample_sequences``.
+
+        Example:
+            >>> loader = DataLoader(buf.dataset(50, 50), batch_size=None, num_workers=2)
+            >>> next(iter(loader))["obs"].shape   # torch.Size([50, 50, 3, 64, 64])
+        """
+        from .dataset import BatchDataset
+
+        self._check_open()
+        return BatchDataset(self, batch_size, length, batches=batches, seed=seed,
+                            **sample_kwargs)
+
+    def prefetch(self, batch_size: int, length: int, *, depth: int = 2, device=None,
+                 pin_memory: bool | None = None, rng=None, **sample_kwargs):
+        """Batches sampled ahead by a background thread and delivered on ``device``.
+
+        The thread samples into ``depth`` preallocated buffers (``out=``;
+        pinned when ``device`` is CUDA), copies each to the device with
+        ``non_blocking=True`` on a side CUDA stream, and the consumer's
+        stream waits for that copy: no kernel sees a half-copied batch.
+
+        A yielded batch stays valid until the next ``next()`` (or ``close()``):
+        only then is its buffer handed back to the thread (on CUDA, after the
+        kernels queued on it so far).  ``.clone()`` what you keep longer.
+        Errors in the thread are raised by ``next()``; ``close()`` or leaving
+        the ``with`` block stops the thread after the batch in hand.
+
+        Args:
+            batch_size, length, **sample_kwargs: as ``sample_sequences``.
+            depth: preallocated batches, >= 1 (2: one in use, one being made).
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default CUDA when
+                available, else CPU.
+            pin_memory: pin the host buffers; default: when ``device`` is CUDA.
+            rng: a ``np.random.Generator`` or seed for the thread's draws;
+                default this process's stream of the buffer.
+
+        Returns:
+            ``shmbuf.prefetch.Prefetcher``: an iterator of ``{column: tensor}``
+            and a context manager.
+
+        Raises:
+            ValueError / TypeError: a bad argument (``depth < 1``, an unknown
+                or unavailable device, ``pin_memory=True`` without CUDA), as
+                ``sample_sequences`` for the rest.
+            BufferClosedError: the buffer is closed.
+
+        Example:
+            >>> with buf.prefetch(50, 50, device="cuda") as batches:
+            ...     for batch in batches:
+            ...         loss = model(batch["obs"])
+        """
+        from .prefetch import Prefetcher
+
+        self._check_open()
+        return Prefetcher(self, batch_size, length, depth=depth, device=device,
+                          pin_memory=pin_memory, rng=rng, **sample_kwargs)
+
+    def iter_episodes(self, newest: int | None = None, include_open: bool = False):
+        """Yield whole episodes as ``{column: (steps, ...) array}``, oldest first.
+
+        The finished episodes (ended by a terminal step or
+        ``Writer.end_episode``) that the buffer still holds, in the order they
+        ended, read from the episode index.  Safe while writers run: an
+        episode recycled before or while it is read is skipped, never
+        returned torn; episodes that end after the call began are not
+        included.  The arrays are copies.
+
+        Args:
+            newest: only the newest ``newest`` finished episodes.
+            include_open: then also each stream's unfinished episode: the
+                steps it holds after its last finished one (the oldest may be
+                recycled already), streams in the order of their newest chunk.
+
+        Raises:
+            BufferClosedError: the buffer was closed (also between episodes).
+
+        Example:
+            >>> for ep in buf.iter_episodes(newest=10):
+            ...     print(len(ep["reward"]), ep["reward"].sum())
+        """
+        from . import _episode_reader
+
+        self._check_open()
+        return _episode_reader.iterate(self, self._ring, self._finder, self._views, newest,
+                                       include_open)
 
     # -- waiting and counters ---------------------------------------------------
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
@@ -402,6 +532,41 @@ class Buffer(Shared):
             return saver
         return _saving.save(self, path, overwrite=overwrite, durable=bool(durable))
 
+    def state_dict(self) -> dict:
+        """The live steps as torch tensors and plain values, for ``torch.save``.
+
+        ``torch.load(path, weights_only=True)`` reads it back.  It holds every
+        live step, oldest chunk first, with its stream and episode number, so
+        ``load_state_dict`` rebuilds the same streams and episodes.  Taken
+        while writers run it is a set of whole chunks (a chunk recycled while
+        it is copied is left out, and its stream is split there).  It costs
+        one copy of the live steps in memory, no more (README, Training loop).
+
+        Returns:
+            ``{"format", "spec", "raw_bytes", "columns": {col: tensor (n, ...)},
+            "stream": int64 (n,), "episode": int64 (n,)}``.
+
+        Example:
+            >>> torch.save(buf.state_dict(), "replay.pt")
+        """
+        self._check_open()
+        return _checkpoint.state_dict(self._ring, self._views)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the contents with a ``state_dict()``; the capacity stays this buffer's.
+
+        As ``restore``: streams, episode boundaries and their order are kept,
+        and a larger checkpoint keeps its newest steps.
+
+        Raises:
+            ValueError: not a state_dict, or the schema differs; nothing is changed.
+
+        Example:
+            >>> buf.load_state_dict(torch.load("replay.pt", weights_only=True))
+        """
+        self._check_open()
+        _checkpoint.restore(self, self._ring, _checkpoint.from_state_dict(self, state))
+
     # -- lifecycle ----------------------------------------------------------------
     def _release(self) -> None:
         _signals.forget(self)
@@ -410,7 +575,7 @@ class Buffer(Shared):
         self._views = self._ring = self._finder = None
 
     def __reduce__(self):
-        return attach, (self.name,)
+        return _reattach, (self.name, self._random.seed)
 
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"
@@ -430,7 +595,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         chunk_size: steps per chunk; default ``min(512, capacity // 64)``, at least 1.
         max_writers: writer objects that may be open at once.
         done_key: the scalar column whose true value ends an episode, or None.
-        seed: seed of the buffer's own random generator.
+        seed: seed of the buffer's random streams: every process that samples
+            draws its own stream, a function of ``seed`` and of the process
+            (this one, a DataLoader worker, another child); fresh OS entropy
+            if None.  See ``shmbuf._process_rng``.
         prefault: map every page into this process now (writers in other
             processes populate each chunk's pages when they claim it).
         meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
@@ -486,6 +654,11 @@ def _watch(buf: Buffer, handle_signals) -> Buffer:
         buf.close()
         raise
     return buf
+
+
+def _reattach(name: str, seed) -> Buffer:
+    """Unpickling: attach, keeping the seed (the child's stream is its own, see _process_rng)."""
+    return attach(name, seed=seed)
 
 
 def attach(name: str, *, seed=None, own: bool = False,

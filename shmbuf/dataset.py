@@ -1,0 +1,176 @@
+"""``Buffer.dataset``: a torch ``IterableDataset`` of whole batches drawn live.
+
+Each item is one batch, already collated: ``sample_sequences``'s dict of
+time-major arrays as torch tensors, so a ``DataLoader`` takes it with
+``batch_size=None``.  In a DataLoader worker the batch is gathered straight
+into tensors in torch's shared memory, so passing it to the trainer copies
+nothing more; in the main process the tensors share the gathered arrays.
+
+Workers attach to the buffer by name (the dataset pickles to the name and
+its arguments, never to data); each draws from its own random stream
+(``shmbuf._process_rng``).  When the buffer is closed, or its name is gone
+(the owner closed or unlinked it), iteration ends cleanly after the batch
+in hand; a worker that starts after the name is gone raises
+``SegmentNotFoundError`` naming the buffer.
+
+This module imports torch; ``Buffer.dataset`` imports it on first use.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ._args import check_int
+from ._errors import SegmentNotFoundError
+from ._process_rng import ProcessRandom
+from ._segment import SHM_DIR
+
+SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest")
+
+
+def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: str) -> dict:
+    """The checked keyword arguments of ``sample_sequences`` (without ``out`` and ``rng``)."""
+    unknown = sorted(set(sample_kwargs) - set(SAMPLE_KEYS))
+    if unknown:
+        raise TypeError(f"{where}: unknown arguments {unknown}; it takes batch_size, length "
+                        f"and sample_sequences' {list(SAMPLE_KEYS)}")
+    time_major = sample_kwargs.get("time_major", True)
+    if not isinstance(time_major, (bool, np.bool_)):
+        raise TypeError(f"time_major must be True or False, got {time_major!r}")
+    uniform = sample_kwargs.get("uniform", "steps")
+    batch_size, length, tail, newest = buffer._sample_args(
+        batch_size, length, sample_kwargs.get("tail", 0), uniform, sample_kwargs.get("newest"))
+    return {"batch_size": batch_size, "length": length, "time_major": bool(time_major),
+            "tail": tail, "uniform": uniform, "newest": newest}
+
+
+def torch_dtype(dtype: np.dtype, column: str = ""):
+    """torch's dtype for a column's numpy dtype; TypeError naming the column if it has none."""
+    try:
+        return torch.from_numpy(np.empty(0, dtype)).dtype
+    except TypeError:
+        raise TypeError(f"column {column!r} has dtype {dtype}, which torch tensors cannot "
+                        "hold; sample it with sample_sequences (numpy) instead") from None
+
+
+def shared_empty(shape: tuple, dtype: np.dtype) -> torch.Tensor:
+    """An uninitialised tensor in torch's shared memory: a worker sends it without a copy."""
+    tdtype = torch_dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:   # older torch: share_memory_ copies, but still works
+        return torch.empty(shape, dtype=tdtype).share_memory_()
+    return torch.empty(0, dtype=tdtype).set_(new_shared(nbytes), 0, shape)
+
+
+def name_gone(name: str) -> bool:
+    """True once the segment's name was removed (its owner closed or unlinked it)."""
+    return not os.path.exists(os.path.join(SHM_DIR, name))
+
+
+class BatchDataset(IterableDataset):
+    """Batches of ``sample_sequences(batch_size, length, **sample_kwargs)`` as tensors.
+
+    Made by ``Buffer.dataset``; see it for the arguments.  ``transform``, if
+    given, is a picklable function applied to each batch (the facades use it
+    for their own output format).
+    """
+
+    def __init__(self, buffer, batch_size: int, length: int, *, batches: int | None = None,
+                 seed=None, transform=None, **sample_kwargs):
+        buffer._check_open()
+        self._args = check_sample_kwargs(buffer, batch_size, length, sample_kwargs,
+                                         "Buffer.dataset")
+        self.batches = None if batches is None else check_int("batches", batches, 1)
+        if seed is None:
+            seed = buffer._random.seed
+        # Seeded like the buffer, it shares the buffer's stream in each process.
+        self._random = ProcessRandom(seed, buffer._owner_pid, buffer.name)
+        self.name = buffer.name
+        self.transform = transform
+        self._spec = buffer.spec
+        for name, (_, dtype) in self._spec.items():
+            torch_dtype(dtype, name)
+        self._buffer, self._pid = buffer, os.getpid()
+
+    @property
+    def batch_size(self) -> int:
+        return self._args["batch_size"]
+
+    @property
+    def length(self) -> int:
+        return self._args["length"]
+
+    @property
+    def seed(self):
+        return self._random.seed
+
+    # -- pickling: the name and the arguments only --------------------------------
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_buffer"] = state["_pid"] = None
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    # -- iteration ------------------------------------------------------------------
+    def __iter__(self):
+        buf = self._handle()
+        worker = get_worker_info()
+        todo = self._share(worker)
+        rng = self._random.get()
+        lead = self._lead()
+        done = 0
+        while todo is None or done < todo:
+            if buf.closed or name_gone(self.name):
+                return   # the buffer ended: a clean end of the iteration
+            out = None
+            if worker is not None:
+                out = {k: shared_empty(lead + shape, dtype) for k, (shape, dtype)
+                       in self._spec.items()}
+            batch = buf.sample_sequences(self.batch_size, self.length,
+                                         time_major=self._args["time_major"],
+                                         tail=self._args["tail"],
+                                         uniform=self._args["uniform"],
+                                         newest=self._args["newest"], out=out, rng=rng)
+            if out is None:
+                batch = {k: torch.from_numpy(v) for k, v in batch.items()}
+            yield batch if self.transform is None else self.transform(batch)
+            done += 1
+
+    def _lead(self) -> tuple:
+        b, n = self.batch_size, self.length
+        return (n, b) if self._args["time_major"] else (b, n)
+
+    def _share(self, worker) -> int | None:
+        """Batches this process yields per pass: ``batches`` split over the workers."""
+        if self.batches is None:
+            return None
+        if worker is None:
+            return self.batches
+        share, extra = divmod(self.batches, worker.num_workers)
+        return share + (worker.id < extra)
+
+    def _handle(self):
+        """The buffer in this process: the one given, or attached by name (once per process)."""
+        if self._pid == os.getpid() and self._buffer is not None:
+            return self._buffer
+        from . import store
+
+        try:
+            buf = store.attach(self.name, seed=self._random.seed)
+        except SegmentNotFoundError:
+            raise SegmentNotFoundError(
+                f"dataset over buffer {self.name!r}: the buffer no longer exists (its owner "
+                f"closed or unlinked it) when this process (pid {os.getpid()}) tried to attach; "
+                "keep the buffer open while a DataLoader reads it") from None
+        self._buffer, self._pid = buf, os.getpid()
+        return buf
+
+    def __repr__(self):
+        return (f"<shmbuf.BatchDataset of {self.name!r} batch_size={self.batch_size} "
+                f"length={self.length}>")
