@@ -114,9 +114,21 @@ SLOT_FIELDS = {"state": 0, "start_time": 8, "steps": 16, "streams": 24, "episode
 # sealed (bit 31; the owner has moved on), owner slot (bits 16-30) and the low
 # 16 bits of that slot's lease.  next is successor chunk index + 1 (0: none).
 CHUNK_ENTRY = 64
-CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40}
+CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40,
+                "starts": 48}
 NO_SLOT = 0x7FFF
 SEALED = 1 << 31
+
+# A chunk's episode starts (``starts``): the rows of the chunk at which an
+# episode begins that continues a step of the same stream, i.e. where the
+# _ep column changes.  Bits 0-30: the first such row; bits 31-61: the last;
+# bits 62-63: how many (saturating at 3, "three or more").  0 when there is
+# none.  STARTS_UNTRACKED (a chunk of 2**31 rows or more) means "read _ep".
+# The writer stores it (release) before the count that publishes the row;
+# the sampler reads it after the count and decides most windows from this
+# one word instead of two loads of the _ep column (_windows.c).
+STARTS_BITS = 31
+STARTS_UNTRACKED = (1 << 64) - 1
 
 # Episode index entry, one per finished episode, written by the writer that
 # ended it (see _ring.EpisodeLog): seq is 2i+1 while entry i is written and
@@ -326,6 +338,9 @@ def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: 
     }
     for field, (off, fmt) in HEADER_FIELDS.items():
         struct.pack_into(fmt, out, off, values[field])
+    # The first owner record (lease 1), published with the rest of the header.
+    struct.pack_into("<Q", out, COUNTERS["owner"], 1 << 32 | owner_pid)
+    struct.pack_into("<Q", out, COUNTERS["owner_stamp"], owner_start << 16 | 1)
     for i, col in enumerate(layout.columns):
         shape = list(col.shape) + [0] * (MAX_NDIM - len(col.shape))
         COLUMN_STRUCT.pack_into(out, COLUMN_TABLE + i * COLUMN_ENTRY, col.name.encode(),
@@ -338,9 +353,6 @@ def read_field(buf, field: str) -> int:
     off, fmt = HEADER_FIELDS[field]
     return struct.unpack_from(fmt, buf, off)[0]
 
-    # The first owner record (lease 1), published with the rest of the header.
-    struct.pack_into("<Q", out, COUNTERS["owner"], 1 << 32 | owner_pid)
-    struct.pack_into("<Q", out, COUNTERS["owner_stamp"], owner_start << 16 | 1)
 
 def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     """Parse and check the header of segment ``name``; trust nothing in it.

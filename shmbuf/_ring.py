@@ -27,7 +27,7 @@ from . import _atomic as atomic
 from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
                       EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, SEALED, SLOT_ENTRY,
-                      SLOT_FIELDS, TERMINAL, Layout,
+                      SLOT_FIELDS, STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout,
                       pack_chunk_state, read_field, unpack_chunk_state)
 from ._procs import is_alive, my_start_time
 
@@ -35,6 +35,7 @@ _U32 = 0xFFFFFFFF
 _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
 _NEXT, _NEXT_SEQ = CHUNK_FIELDS["next"] // 8, CHUNK_FIELDS["next_seq"] // 8
+_STARTS_MAX = (1 << STARTS_BITS) - 1
 # Fields of an episode entry after its seq, in the order a writer stores them.
 _EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flags")
 (_E_SEQ, _E_STREAM, _E_CHUNK, _E_CHUNK_SEQ, _E_OFFSET, _E_LENGTH, _E_EP,
@@ -201,7 +202,9 @@ class Ring:
         self.geometry = (layout.chunks_offset, n, k, layout.capacity,
                          layout.column(EP_COLUMN).offset, CHUNK_ENTRY,
                          CHUNK_FIELDS["state"], CHUNK_FIELDS["count"], CHUNK_FIELDS["next"],
-                         CHUNK_FIELDS["next_seq"])
+                         CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["starts"], STARTS_BITS)
+        # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
+        self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
 
     def init_chunks(self) -> None:
         """A new segment: every chunk free (sealed, ownerless, empty)."""
@@ -339,7 +342,7 @@ class Ring:
             return None
         self._evict(chunk)
         for field, value in (("next", 0), ("next_seq", 0), ("stream", stream),
-                             ("ticket", ticket)):
+                             ("ticket", ticket), ("starts", self.starts_reset)):
             atomic.store_release(self.mm, self.layout.chunk_field(chunk, field), value)
         even = (odd + 1) & _U32
         atomic.store_release(self.mm, off, pack_chunk_state(even, slot == NO_SLOT, slot, lease))
@@ -498,11 +501,10 @@ class Slot:
     def __init__(self, ring: Ring, slot: int, lease: int):
         self.ring, self.slot, self.lease = ring, slot, lease
         lay, mm = ring.layout, ring.mm
-        self._steps_off = lay.slot_field(slot, "steps")
+        self._steps_off = self.steps_off = lay.slot_field(slot, "steps")
         self._episodes_off = lay.slot_field(slot, "episodes")
         self._streams_off = lay.slot_field(slot, "streams")
         # The slot's counters are cumulative over its holders: continue them.
-        self._steps = atomic.load_acquire(mm, self._steps_off)
         self._episodes = atomic.load_acquire(mm, self._episodes_off)
 
     def open_streams(self, n: int, on_claim=None) -> "Streams":
@@ -516,8 +518,9 @@ class Slot:
         return Streams(self, np.arange(first, first + n, dtype=np.int64), on_claim)
 
     def count_steps(self, n: int) -> None:
-        self._steps += n
-        atomic.store_release(self.ring.mm, self._steps_off, self._steps)
+        # The slot's holder is the word's only writer; the C fast path
+        # (``Streams.appender``) adds to the same word, so no private copy.
+        atomic.fetch_add(self.ring.mm, self._steps_off, n)
 
     def count_episodes(self, n: int) -> None:
         self._episodes += n
@@ -555,11 +558,14 @@ class Streams:
         self.rows = np.zeros(n, np.int64)     # rows the chunk can hold
         self.ep = np.zeros(n, np.int64)       # episode number within the stream
         self.count_off = np.zeros(n, np.int64)
-        self.left = 0                         # publish_all calls before some chunk is full
+        # publish_all calls before some chunk is full; an array, so that the
+        # C fast path (``appender``) counts it down too
+        self.left = np.zeros(1, np.int64)
         self.pos0 = np.zeros(n, np.int64)     # stream steps before the current chunk
         self.ep_pos = np.zeros(n, np.int64)   # stream step where the episode began
         self.ep_at = np.zeros((n, 3), np.int64)  # its (chunk, seq, offset)
         self.ep_next_chunk = np.ones(n, np.bool_)  # it begins at the next chunk's row 0
+        self.starts = np.zeros(n, np.uint64)  # the starts word of the current chunk, as stored
 
     def __len__(self) -> int:
         return len(self.id)
@@ -577,11 +583,14 @@ class Streams:
         self.base[i] = ring.chunk_base[chunk]
         self.rows[i] = ring.chunk_rows[chunk]
         self.count_off[i] = ring.count_off[chunk]
+        self.starts[i] = ring.starts_reset
         if self._on_claim is not None:
             self._on_claim(chunk)
         if self.ep_next_chunk[i]:
             self.ep_at[i] = chunk, seq, 0
             self.ep_next_chunk[i] = False
+            if old >= 0:
+                self._mark_start(i, 0)  # the stream's previous step ended an episode
 
     def row(self, i: int) -> int:
         """The row stream ``i``'s next step goes to (claims a chunk when full)."""
@@ -600,18 +609,59 @@ class Streams:
         if terminal:
             self.end(i, True)
 
+    def appender(self, names: tuple, views: tuple, ep_view: np.ndarray, done: int):
+        """The C fast path that appends one step to each of these streams (``_atomic.c``).
+
+        It checks that every value already fits its column exactly, copies,
+        counts and publishes in ``publish``'s order, and shares this object's
+        cursors.  None when the columns do not suit it (a done column that is
+        not a plain numeric scalar): the caller keeps the Python path.
+        """
+        try:
+            return atomic.Appender(self.ring.mm, names, views, ep_view, done, self.fill,
+                                   self.base, self.rows, self.count_off, self.ep, self.left,
+                                   self.slot.steps_off)
+        except ValueError:
+            return None
+
+    def room(self, i: int) -> tuple[int, int]:
+        """(row, n): stream ``i``'s next step goes to ``row``, and ``n`` steps fit from there.
+
+        The ``n`` rows are contiguous (one chunk); a full chunk is replaced first.
+        """
+        if self.fill[i] == self.rows[i]:
+            self.advance(i)
+        return int(self.base[i] + self.fill[i]), int(self.rows[i] - self.fill[i])
+
+    def publish_run(self, i: int, n: int, ends: np.ndarray) -> None:
+        """Make the next ``n`` written rows of stream ``i`` visible with one count store.
+
+        ``ends`` are the offsets in the run (ascending, below ``n``) of its
+        terminal steps.  The episode starts after them are recorded before
+        the count, and the episodes are logged after it, as ``publish`` does.
+        """
+        start = int(self.fill[i])
+        for t in ends:
+            if start + t + 1 < self.rows[i]:
+                self._mark_start(i, start + int(t) + 1)
+        self.fill[i] = start + n
+        self.slot.count_steps(n)
+        atomic.store_release(self.ring.mm, int(self.count_off[i]), start + n)
+        for t in ends:
+            self._end_at(i, start + int(t) + 1, True, mark=False)
+
     def rows_all(self) -> np.ndarray:
         """The rows every stream's next step goes to (one call per vectorised step)."""
-        if not self.left:   # every stream gains a row per call: chunks fill in lockstep
+        if not self.left[0]:   # every stream gains a row per call: chunks fill in lockstep
             for i in np.flatnonzero(self.fill == self.rows):
                 self.advance(int(i))
-            self.left = int((self.rows - self.fill).min())
+            self.left[0] = (self.rows - self.fill).min()
         return self.base + self.fill
 
     def publish_all(self, terminal: np.ndarray | None) -> None:
         """Make every stream's written row visible; ``terminal`` rows end episodes."""
         self.fill += 1
-        self.left -= 1
+        self.left[0] -= 1
         self.slot.count_steps(len(self.id))
         atomic.store_many(self.ring.mm, self.count_off, self.fill)
         if terminal is not None:
@@ -620,7 +670,11 @@ class Streams:
 
     def end(self, i: int, terminal: bool) -> None:
         """End stream ``i``'s episode: log it, and start the next one after it."""
-        pos = int(self.pos0[i] + self.fill[i])
+        self._end_at(i, int(self.fill[i]), terminal)
+
+    def _end_at(self, i: int, fill: int, terminal: bool, mark: bool = True) -> None:
+        """End stream ``i``'s episode after its first ``fill`` rows in the current chunk."""
+        pos = int(self.pos0[i]) + fill
         length = pos - int(self.ep_pos[i])
         if length > 0:
             chunk, seq, offset = (int(v) for v in self.ep_at[i])
@@ -630,7 +684,26 @@ class Streams:
             self.slot.count_episodes(1)
         self.ep[i] += 1
         self.ep_pos[i] = pos
-        if self.chunk[i] >= 0 and self.fill[i] < self.rows[i]:
-            self.ep_at[i] = self.chunk[i], self.seq[i], self.fill[i]
+        if self.chunk[i] >= 0 and fill < self.rows[i]:
+            self.ep_at[i] = self.chunk[i], self.seq[i], fill
+            if pos and mark:
+                self._mark_start(i, fill)
         else:
             self.ep_next_chunk[i] = True
+
+    def _mark_start(self, i: int, row: int) -> None:
+        """Record in the chunk entry that an episode starts at ``row`` of stream ``i``'s chunk.
+
+        Stored with release before the count that publishes ``row``, so a
+        reader that sees the row committed sees the start (_layout: ``starts``).
+        """
+        word = int(self.starts[i])
+        if word == STARTS_UNTRACKED:
+            return
+        n, first, last = word >> 62, word & _STARTS_MAX, (word >> STARTS_BITS) & _STARTS_MAX
+        if n and last == row:
+            return  # a second end at the same row (e.g. end_episode after a terminal)
+        word = (min(n + 1, 3) << 62) | (row << STARTS_BITS) | (first if n else row)
+        self.starts[i] = word
+        atomic.store_release(self.ring.mm, int(self.count_off[i]) - CHUNK_FIELDS["count"]
+                             + CHUNK_FIELDS["starts"], word)

@@ -43,7 +43,8 @@ typedef struct {
     int64_t capacity;
     int64_t ep_at;       /* offset of the int64 episode column */
     int64_t entry;       /* bytes per chunk entry */
-    int64_t f_state, f_count, f_next, f_next_seq;  /* field offsets in an entry */
+    int64_t f_state, f_count, f_next, f_next_seq, f_starts;  /* field offsets in an entry */
+    int64_t starts_bits; /* width of each row offset in the starts word */
     PyObject *preempt;   /* None-or-callable test hook, see above; NULL if None */
 } Geometry;
 
@@ -77,6 +78,30 @@ episode_of(const Geometry *g, int64_t row)
         (atomic_u64 *)(g->base + g->ep_at + row * 8), memory_order_relaxed);
 }
 
+/*
+ * Does an episode start at a row in (lo, hi] of `chunk` (rows of the chunk)?
+ * Read from the chunk entry's starts word (_layout: first start, last start,
+ * how many, saturating at 3), loaded after the count.  1: yes, the window
+ * crosses an episode; 0: no; 2: the word cannot tell (three or more starts
+ * and the window lies between the first and the last, or an untracked
+ * chunk: first >= last with two or more), so the caller reads _ep.  A
+ * start the writer recorded after our count lies above every row we use.
+ */
+static inline int
+starts_in(const Geometry *g, int64_t chunk, int64_t lo, int64_t hi)
+{
+    uint64_t word = chunk_word(g, chunk, g->f_starts);
+    uint64_t mask = ((uint64_t)1 << g->starts_bits) - 1, n = word >> (2 * g->starts_bits);
+    if (n == 0)
+        return 0;
+    int64_t first = (int64_t)(word & mask), last = (int64_t)((word >> g->starts_bits) & mask);
+    if (n >= 2 && first >= last)
+        return 2;
+    if ((first > lo && first <= hi) || (last > lo && last <= hi))
+        return 1;
+    return (n <= 2 || hi < first || lo >= last) ? 0 : 2;
+}
+
 static inline int64_t
 chunk_rows(const Geometry *g, int64_t chunk)
 {
@@ -107,11 +132,17 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
     int64_t rows_here = chunk_rows(g, chunk);
     if (count > rows_here || offset >= count)
         return 0;
-    int64_t n = 0, t = 0;
+    int64_t n = 0, t = 0, last_t = length - 1 - tail;  /* rows 0..last_t: one episode */
+    int unknown = 0, in;
     hop_chunks[n] = chunk;
     hop_seqs[n++] = seq;
     for (int64_t r = start; t < length && r < chunk * g->k + count; r++)
         rows[t++] = r;
+    PREEMPT(g);
+    in = starts_in(g, chunk, offset, offset + (t - 1 < last_t ? t - 1 : last_t));
+    if (in == 1)
+        return 0;
+    unknown |= in == 2;
     while (t < length) {
         /* A successor is linked only once the chunk is full; a count read
          * before it filled up would make the window skip rows. */
@@ -135,16 +166,26 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
             return 0;
         hop_chunks[n] = chunk;
         hop_seqs[n++] = seq;
+        int64_t t0 = t;
         for (int64_t r = chunk * g->k; t < length && r < chunk * g->k + count; r++)
             rows[t++] = r;
         if (count == 0)
             return 0;
+        if (t0 <= last_t) {           /* a start at row 0 here also ends the window's episode */
+            PREEMPT(g);
+            in = starts_in(g, chunk, -1, (t - 1 < last_t ? t - 1 : last_t) - t0);
+            if (in == 1)
+                return 0;
+            unknown |= in == 2;
+        }
     }
-    PREEMPT(g);
-    int64_t first = episode_of(g, rows[0]);
-    PREEMPT(g);
-    if (first != episode_of(g, rows[length - 1 - tail]))
-        return 0;
+    if (unknown) {
+        PREEMPT(g);
+        int64_t first = episode_of(g, rows[0]);
+        PREEMPT(g);
+        if (first != episode_of(g, rows[last_t]))
+            return 0;
+    }
     *hops = n;
     return 1;
 }
@@ -160,14 +201,18 @@ static int
 get_geometry(Py_buffer *mm, PyObject *geo, PyObject *preempt, Geometry *g)
 {
     g->preempt = preempt == Py_None ? NULL : preempt;
-    if (!PyArg_ParseTuple(geo, "LLLLLLLLLL", &g->chunks_at, &g->n_chunks, &g->k,
+    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLL", &g->chunks_at, &g->n_chunks, &g->k,
                           &g->capacity, &g->ep_at, &g->entry, &g->f_state, &g->f_count,
-                          &g->f_next, &g->f_next_seq))
+                          &g->f_next, &g->f_next_seq, &g->f_starts, &g->starts_bits))
         return -1;
     g->base = (char *)mm->buf;
     g->len = mm->len;
-    int64_t fields[4] = {g->f_state, g->f_count, g->f_next, g->f_next_seq};
-    for (int f = 0; f < 4; f++) {
+    if (g->starts_bits < 1 || g->starts_bits > 31) {
+        PyErr_SetString(PyExc_ValueError, "geometry: starts_bits must be 1..31");
+        return -1;
+    }
+    int64_t fields[5] = {g->f_state, g->f_count, g->f_next, g->f_next_seq, g->f_starts};
+    for (int f = 0; f < 5; f++) {
         if (fields[f] < 0 || fields[f] % 8 || fields[f] + 8 > g->entry) {
             PyErr_SetString(PyExc_ValueError, "geometry: a chunk field lies outside its entry");
             return -1;
@@ -200,7 +245,8 @@ check_len(Py_buffer *b, Py_ssize_t items, const char *what)
  *      picked, rows, hop_chunks, hop_seqs, preempt=None) -> (found, examined)
  *
  * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at, entry bytes,
- * then the offsets of FIELDS in an entry), from _ring.Ring.geometry.  Examines
+ * then the offsets of FIELDS in an entry, then _layout.STARTS_BITS), from
+ * _ring.Ring.geometry.  Examines
  * the 8-byte `starts` in order until `need` valid windows are found.  With
  * span == 0 they are int64 start rows; with span > 0 they are raw uniform
  * 64-bit words (Generator.bit_generator.random_raw), each mapped to a row in
@@ -450,7 +496,7 @@ PyInit__windows(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyObject *fields = Py_BuildValue("(ssss)", "state", "count", "next", "next_seq");
+    PyObject *fields = Py_BuildValue("(sssss)", "state", "count", "next", "next_seq", "starts");
     if (fields == NULL || PyModule_AddObject(m, "FIELDS", fields) < 0) {
         Py_XDECREF(fields);
         Py_DECREF(m);

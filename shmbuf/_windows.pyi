@@ -4,7 +4,7 @@ from typing import Any, Callable
 import numpy as np
 
 _Buffer = Any  # the segment's mmap
-_Geometry = tuple[int, ...]  # Ring.geometry: sizes, then the chunk fields C reads
+_Geometry = tuple[int, ...]  # Ring.geometry: sizes, the chunk fields C reads, STARTS_BITS
 _Preempt = Callable[[], object] | None
 
 FIELDS: tuple[str, ...]

@@ -19,6 +19,11 @@ from ._errors import BufferClosedError
 from ._layout import EP_COLUMN, Layout
 from ._ring import Ring, Slot, Streams
 
+# Forks of this process so far, counted in each child: a writer compares it
+# with the count it was bound at, instead of a getpid() system call per add.
+_forks = [0]
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+
 
 class Writer:
     """Appends steps to one buffer; get one with ``Buffer.writer()``.
@@ -48,18 +53,22 @@ class Writer:
 
     def _bind(self) -> None:
         self._pid = os.getpid()
+        self._forks = _forks[0]
         self._slot = self._ring.claim_slot()
         self._steps = 0
         self._solo: Streams | None = None
         self._batch: Streams | None = None
+        # The C fast paths of add / add_batch, built with their streams.
+        self._fast_add = self._fast_batch = None
         self._closed = False
 
     def _check(self) -> None:
         if self._closed:
             raise BufferClosedError("this writer is closed; get a new one with buf.writer()")
-        if self._pid != os.getpid():
+        if self._forks != _forks[0]:
             self._bind()  # a forked child never continues its parent's streams
         self._check_open()
+        self._ring.check_open(self._pid)  # the owner closed it: this worker stops here
 
     def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
@@ -68,7 +77,6 @@ class Writer:
             raise KeyError(f"{verb}: missing columns {missing}, unknown columns {unknown}; "
                            f"the buffer's columns are {sorted(self._names)}")
 
-        self._ring.check_open(self._pid)  # the owner closed it: this worker stops here
     def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
         """The values in column order, cast losslessly; the names are already checked."""
         out = []
@@ -104,11 +112,22 @@ class Writer:
             >>> w.add(obs=frame, action=a, reward=1.0, done=False)
         """
         self._check()
+        fast = self._fast_add
+        if fast is not None:
+            # Values that already fit go in C; anything else (a cast, a bad
+            # value, a full chunk) returns -1 unwritten and takes this path.
+            ended = fast(columns)
+            if ended >= 0:
+                self._steps += 1
+                if ended:
+                    self._solo.end(0, True)
+                return
         self._check_names(columns, "add")
         values = self._coerce_all(columns, (), "add")
         s = self._solo
         if s is None:
             s = self._solo = self._slot.open_streams(1, self._on_claim)
+            self._fast_add = self._appender(s, "add")
         row = s.row(0)
         for (_, view, _, _), v in zip(self._cols, values):
             view[row] = v
@@ -131,6 +150,15 @@ class Writer:
             >>> w.add_batch(obs=frames, action=acts, reward=rews, done=dones)  # (16, ...)
         """
         self._check()
+        fast = self._fast_batch
+        if fast is not None:
+            ended = fast(columns)
+            if ended >= 0:
+                self._steps += len(self._batch)
+                if ended:
+                    for i in np.flatnonzero(columns[self._done]):
+                        self._batch.end(int(i), True)
+                return
         self._check_names(columns, "add_batch")
         first_name = self._cols[0][0]
         shape = np.shape(columns[first_name])
@@ -146,6 +174,7 @@ class Writer:
         s = self._batch
         if s is None:
             s = self._batch = self._slot.open_streams(n, self._on_claim)
+            self._fast_batch = self._appender(s, "add_batch")
         rows = s.rows_all()
         for (_, view, _, _), v in zip(self._cols, values):
             view[rows] = v
@@ -157,6 +186,90 @@ class Writer:
             if not np.count_nonzero(ended):
                 ended = None
         s.publish_all(ended)
+
+    def _appender(self, streams: Streams, method: str):
+        """The C fast path for ``streams`` (validated once, here), or None."""
+        fast = streams.appender(tuple(c[0] for c in self._cols), tuple(c[1] for c in self._cols),
+                                self._ep_col, self._done_index)
+        return None if fast is None else getattr(fast, method)
+
+    def extend(self, **columns: Any) -> None:
+        """Append a run of ``T`` consecutive steps to this writer's stream.
+
+        Args:
+            **columns: one array per column with a leading axis ``T`` (the
+                same for every column, at least 1 and at most the capacity),
+                each row of the column's per-step shape and losslessly
+                castable to its dtype.  A true ``done`` at step ``t`` ends an
+                episode there; the run continues with the next one.
+
+        The run is copied with one slice assignment per column and chunk it
+        spans, and published once per chunk: a reader sees a prefix of the
+        run, never a partial step.
+
+        Raises:
+            KeyError: a column is missing or unknown.
+            ValueError / TypeError: columns of different lengths, ``T == 0``,
+                a run longer than the capacity, a wrong shape, a lossy cast
+                or a ``done`` that is not 0/1; nothing is written.
+            BufferClosedError: the writer or the buffer is closed.
+
+        Example:
+            >>> w.extend(obs=frames, action=acts, reward=rews, done=dones)  # (T, ...) each
+        """
+        self._check()
+        self._check_names(columns, "extend")
+        n = self._run_length(columns)
+        values = self._coerce_all(columns, (n,), "extend")
+        s = self._solo
+        if s is None:
+            s = self._solo = self._slot.open_streams(1, self._on_claim)
+        ends = np.empty(0, np.int64)
+        ep = s.ep[0]
+        if self._done is not None:
+            done = values[self._done_index] != 0
+            ends = np.flatnonzero(done)
+            if len(ends):   # a step's episode: the episodes ended before it in the run
+                ep = s.ep[0] + np.cumsum(done) - done
+        at = 0
+        while at < n:
+            row, room = s.room(0)
+            k = min(room, n - at)
+            for (_, view, _, _), v in zip(self._cols, values):
+                view[row:row + k] = v[at:at + k]
+            self._ep_col[row:row + k] = ep if np.ndim(ep) == 0 else ep[at:at + k]
+            here = ends[(ends >= at) & (ends < at + k)] - at
+            s.publish_run(0, k, here)
+            self._steps += k
+            at += k
+
+    def _run_length(self, columns: dict) -> int:
+        """The run length ``T`` every column of an ``extend`` agrees on; raises if none."""
+        lengths = {}
+        for name, _, _, shape in self._cols:
+            dims = np.shape(columns[name])
+            lengths[name] = dims[0] if len(dims) == len(shape) + 1 else None
+        if None in lengths.values():
+            name = next(k for k, v in lengths.items() if v is None)
+            shape = dict((c[0], c[3]) for c in self._cols)[name]
+            raise ValueError(f"extend({name}=...): expected shape (T,) + {shape} with a "
+                             f"leading run axis T, got shape {np.shape(columns[name])}; "
+                             "nothing was written")
+        if len(set(lengths.values())) > 1:
+            runs = ", ".join(f"{k} {v}" for k, v in lengths.items())
+            raise ValueError(f"extend: every column needs the same run length T, got {runs}; "
+                             "nothing was written")
+        n = next(iter(lengths.values()))
+        if n < 1:
+            first = self._cols[0][0]
+            raise ValueError(f"extend({first}=...): a run needs at least 1 step, got T = {n} "
+                             f"(shape {np.shape(columns[first])}); nothing was written")
+        capacity = self._ring.layout.capacity
+        if n > capacity:
+            raise ValueError(f"extend: a run of T = {n} steps is longer than the buffer's "
+                             f"capacity of {capacity} steps and would overwrite itself; "
+                             "split it, or create a larger buffer; nothing was written")
+        return n
 
     def end_episode(self, env: int | None = None) -> None:
         """Cut the stream (or env stream ``env``) without a terminal step.

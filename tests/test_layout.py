@@ -780,8 +780,10 @@ def test_c_reads_the_chunk_fields_that_layout_defines():
     mm = bytearray(lay.total_bytes)
     geometry = Ring(memoryview(mm), lay).geometry
     assert geometry[5] == L.CHUNK_ENTRY
-    assert geometry[6:] == tuple(L.CHUNK_FIELDS[f] for f in _windows.FIELDS)
+    assert geometry[6:-1] == tuple(L.CHUNK_FIELDS[f] for f in _windows.FIELDS)
+    assert geometry[-1] == L.STARTS_BITS  # the width of a row offset in the starts word
     assert set(_windows.FIELDS) <= set(L.CHUNK_FIELDS)
+    assert L.STARTS_UNTRACKED == 2**64 - 1 and 2 * L.STARTS_BITS + 2 == 64
 
 
 def test_c_refuses_a_geometry_whose_fields_leave_the_entry():

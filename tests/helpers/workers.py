@@ -167,3 +167,26 @@ def add_with_inherited_writer(w, writer_id: int, n_steps: int, episode_len: int)
     for step in episode_steps(writer_id, n_steps, episode_len):
         w.add(**step)
     w.close()
+
+
+def extend_until(buf, writer_id: int, stop, ready, max_steps: int, episode_len: int = 37,
+                 run: int = 29) -> int:
+    """Worker body: ``Writer.extend`` runs of ``run`` encoded steps until ``stop``.
+
+    Runs and episodes do not line up, so runs carry terminals at every offset
+    and span chunk boundaries.  Releases ``ready`` once after the first run.
+    """
+    steps = episode_steps(writer_id, max_steps, episode_len)
+    written = 0
+    with buf.writer() as w:
+        while written < max_steps:
+            rows = [s for _, s in zip(range(run), steps)]
+            if not rows:
+                break
+            w.extend(**{k: np.stack([np.asarray(r[k]) for r in rows]) for k in SPEC})
+            if written == 0:
+                ready.release()
+            written += len(rows)
+            if stop.is_set():
+                break
+    return written
