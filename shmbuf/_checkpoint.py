@@ -19,6 +19,7 @@ bytes, ``uint8 (n, row bytes)``, and the schema says how to read it back.
 """
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable
 
 import numpy as np
@@ -30,17 +31,19 @@ FORMAT = "shmbuf-steps-v1"
 
 
 def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
-              empty: Callable[[str, int], np.ndarray]) -> tuple[dict, np.ndarray, int]:
+              empty: Callable[[str, int], np.ndarray]) -> tuple[dict, np.ndarray, np.ndarray, int]:
     """Copy the live rows of ``names`` into ``empty(name, rows)`` arrays, oldest chunk first.
 
-    Returns ``(arrays, stream, n)``: the first ``n`` rows of each array (and
-    of the int64 ``stream`` array) are whole chunks; rows past ``n`` are
+    Returns ``(arrays, stream, original, n)``: the first ``n`` rows of each
+    array, and of the int64 ``stream`` (split at holes) and ``original``
+    (the writer's stream id) arrays, are whole chunks; rows past ``n`` are
     unused (chunks recycled while they were copied).
     """
     live = ring.live_chunks()
     total = int(live.count.sum())
     out = {name: empty(name, total) for name in names}
     stream = np.empty(total, np.int64)
+    original = np.empty(total, np.int64)
     renamed: dict[int, int] = {}
     next_id = int(live.stream.max()) + 1 if total else 0
     at = 0
@@ -54,8 +57,32 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
             next_id += 1
             continue
         stream[at:at + count] = renamed.get(sid, sid)
+        original[at:at + count] = sid
         at += count
-    return out, stream, at
+    return out, stream, original, at
+
+
+def episode_ends(ring: Ring, original: np.ndarray, episode: np.ndarray) -> np.ndarray:
+    """Per row: the episode-index number of the episode it ends, or -1.
+
+    Restore replays streams so that episodes end in this order again (the
+    order ``episodes()`` and ``uniform="episodes", newest=K`` go by), and
+    ends the last episode of a stream that ``end_episode`` closed.
+    """
+    ends = np.full(len(original), -1, np.int64)
+    hi = ring.episodes_logged()
+    eps = ring.read_episodes(np.arange(max(0, hi - ring.layout.episode_slots), hi))
+    if not len(original) or not len(eps):
+        return ends
+    key = (original << 32) + episode
+    order = np.argsort(key, kind="stable")
+    keys = key[order]
+    last = order[np.searchsorted(keys, keys, side="right") - 1]   # last row of each key
+    want = (eps.stream << 32) + eps.ep
+    at = np.searchsorted(keys, want, side="right") - 1
+    found = (at >= 0) & (keys[np.maximum(at, 0)] == want)
+    ends[last[at[found]]] = eps.index[found]
+    return ends
 
 
 def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
@@ -67,13 +94,14 @@ def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         col = lay.column(name)
         return np.empty((n,) + col.shape, col.dtype)
 
-    out, stream, n = copy_live(ring, views, names, empty)
+    out, stream, original, n = copy_live(ring, views, names, empty)
     return {
         "format": FORMAT,
         "spec": {c.name: (list(c.shape), c.dtype.str) for c in lay.user_columns},
         "columns": {c.name: out[c.name][:n] for c in lay.user_columns},
         "stream": stream[:n],
         "episode": out[EP_COLUMN][:n],
+        "ends": episode_ends(ring, original[:n], out[EP_COLUMN][:n]),
     }
 
 
@@ -84,7 +112,7 @@ def _torch_dtype(dtype: np.dtype):
 
     try:
         return torch.from_numpy(np.empty(0, dtype)).dtype
-    except TypeError:
+    except (TypeError, ValueError):   # no such dtype, or not in native byte order
         return None
 
 
@@ -103,11 +131,13 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         if tdtype is None:
             raw.append(name)
             tensors[name] = torch.empty((n, col.row_bytes), dtype=torch.uint8)
-            return tensors[name].numpy().view(col.dtype).reshape((n,) + col.shape)
-        tensors[name] = torch.empty((n,) + col.shape, dtype=tdtype)
-        return tensors[name].numpy()
+        else:
+            tensors[name] = torch.empty((n,) + col.shape, dtype=tdtype)
+        return _raw_view(tensors[name], col.dtype, (n,) + col.shape)
 
-    _, stream, n = copy_live(ring, views, names, empty)
+    out, stream, original, n = copy_live(ring, views, names, empty)
+    ends = episode_ends(ring, original[:n], out[EP_COLUMN][:n])
+    del out   # views without a reference count on the storage: drop them before _shrink
     for name, t in tensors.items():
         tensors[name] = _shrink(t, n)
     return {
@@ -117,7 +147,18 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         "columns": {c.name: tensors[c.name] for c in lay.user_columns},
         "stream": torch.from_numpy(stream[:n].copy()),
         "episode": tensors[EP_COLUMN],
+        "ends": torch.from_numpy(ends),
     }
+
+
+def _raw_view(t, dtype: np.dtype, shape: tuple) -> np.ndarray:
+    """A numpy view of ``t``'s memory that leaves its storage resizable (``t.numpy()``
+    would pin it).  The caller drops the view before the storage changes."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return np.empty(shape, dtype)
+    raw = (ctypes.c_uint8 * nbytes).from_address(t.data_ptr())
+    return np.frombuffer(raw, np.uint8).view(dtype).reshape(shape)
 
 
 def _shrink(t, n: int):
@@ -148,9 +189,12 @@ def from_state_dict(buf, state: dict[str, Any]) -> dict[str, Any]:
             shape, dtype = spec[name]
             arr = np.ascontiguousarray(arr).view(np.dtype(dtype)).reshape((len(arr),) + tuple(shape))
         columns[name] = arr
-    return {"format": FORMAT, "spec": spec, "columns": columns,
-            "stream": _numpy(state["stream"], "state['stream']"),
-            "episode": _numpy(state["episode"], "state['episode']")}
+    out = {"format": FORMAT, "spec": spec, "columns": columns,
+           "stream": _numpy(state["stream"], "state['stream']"),
+           "episode": _numpy(state["episode"], "state['episode']")}
+    if "ends" in state:
+        out["ends"] = _numpy(state["ends"], "state['ends']")
+    return out
 
 
 def _numpy(value, what: str) -> np.ndarray:
@@ -186,27 +230,68 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
 
 
 def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
-    """Replace the buffer's contents with the checkpoint ``state``, through writers."""
+    """Replace the buffer's contents with the checkpoint ``state``, through writers.
+
+    Streams are replayed so that their episodes end in the checkpoint's
+    order (``ends``); steps after a stream's last recorded end follow, stream
+    by stream.  A change of episode number without a terminal step is an
+    ``end_episode`` cut.
+    """
     check_compatible(buf, state)
+    stream = np.asarray(state["stream"])
+    n = len(stream)
+    ends = np.asarray(state.get("ends", np.full(n, -1, np.int64)))
+    if ends.shape != (n,):
+        raise ValueError(f"state['ends'] has shape {ends.shape}, expected ({n},)")
     ring.clear()
-    streams = np.asarray(state["stream"]).tolist()
-    episodes = np.asarray(state["episode"])
-    columns = {k: np.asarray(v) for k, v in state["columns"].items()}
-    done = columns[buf.done_key] if buf.done_key else None
-    last = {sid: i for i, sid in enumerate(streams)}
-    writers, prev = {}, {}
+    replay = _Replay(buf, state)
     try:
-        for i, sid in enumerate(streams):
-            w = writers.get(sid)
-            if w is None:
-                w = writers[sid] = buf.writer()
-            j = prev.get(sid)
-            if j is not None and episodes[i] != episodes[j] and not (done is not None and done[j]):
-                w.end_episode()  # the original stream was cut here without a terminal
-            w.add(**{k: v[i] for k, v in columns.items()})
-            prev[sid] = i
-            if last[sid] == i:
-                writers.pop(sid).close()
+        rows_of = {sid: np.flatnonzero(stream == sid) for sid in dict.fromkeys(stream.tolist())}
+        cursor = dict.fromkeys(rows_of, 0)
+        for row in np.flatnonzero(ends >= 0)[np.argsort(ends[ends >= 0], kind="stable")]:
+            sid = int(stream[row])
+            rows = rows_of[sid]
+            upto = int(np.searchsorted(rows, row)) + 1
+            replay.write(sid, rows[cursor[sid]:upto])
+            replay.end(sid, int(row))
+            cursor[sid] = upto
+        for sid, rows in rows_of.items():
+            replay.write(sid, rows[cursor[sid]:])
     finally:
-        for w in writers.values():
+        replay.close()
+
+
+class _Replay:
+    """One writer per checkpoint stream, writing its rows in the order given."""
+
+    def __init__(self, buf, state):
+        self.buf = buf
+        self.episode = np.asarray(state["episode"])
+        self.columns = {k: np.asarray(v) for k, v in state["columns"].items()}
+        self.done = self.columns[buf.done_key] if buf.done_key else None
+        self.writers, self.prev = {}, {}
+
+    def write(self, sid: int, rows: np.ndarray) -> None:
+        if not len(rows):
+            return
+        w = self.writers.get(sid)
+        if w is None:
+            w = self.writers[sid] = self.buf.writer()
+        cols = self.columns
+        for i in rows.tolist():
+            j = self.prev.get(sid)
+            if j is not None and j >= 0 and self.episode[i] != self.episode[j] and not (
+                    self.done is not None and self.done[j]):
+                w.end_episode()   # the original stream was cut here without a terminal
+            w.add(**{k: v[i] for k, v in cols.items()})
+            self.prev[sid] = i
+
+    def end(self, sid: int, row: int) -> None:
+        """The episode ending at ``row`` ended there: by its terminal, or by a cut."""
+        if not (self.done is not None and self.done[row]):
+            self.writers[sid].end_episode()
+        self.prev[sid] = -1
+
+    def close(self) -> None:
+        for w in self.writers.values():
             w.close()

@@ -51,7 +51,7 @@ def torch_dtype(dtype: np.dtype, column: str = ""):
     """torch's dtype for a column's numpy dtype; TypeError naming the column if it has none."""
     try:
         return torch.from_numpy(np.empty(0, dtype)).dtype
-    except TypeError:
+    except (TypeError, ValueError):   # no such dtype, or not in native byte order
         raise TypeError(f"column {column!r} has dtype {dtype}, which torch tensors cannot "
                         "hold; sample it with sample_sequences (numpy) instead") from None
 

@@ -28,6 +28,7 @@ from collections import deque
 import numpy as np
 
 from ._args import check_int
+from ._errors import BufferClosedError
 
 _JOIN_S = 60.0      # bound on the wait for a thread that finishes its batch
 _POLL_S = 1.0       # how often a waiting consumer re-checks that the thread lives
@@ -136,6 +137,8 @@ class Prefetcher:
             while not st.ready and st.error is None and not st.stop:
                 if not st.cond.wait(_POLL_S) and not self._thread.is_alive():
                     break
+            if st.stop:
+                raise StopIteration
             if st.ready:
                 i = st.ready.popleft()
             elif st.error is not None:
@@ -217,6 +220,9 @@ def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
                 state.ready.append(i)
                 state.cond.notify_all()
     except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+        if buffer.closed and not isinstance(exc, BufferClosedError):
+            closed = BufferClosedError(f"buffer {buffer.name!r} was closed while prefetching")
+            closed.__cause__, exc = exc, closed
         with state.cond:
             state.error = exc
             state.cond.notify_all()

@@ -36,3 +36,40 @@ def write_counter_forever(name: str, stop, episode_len: int) -> None:
         while not stop.is_set():
             w.add(x=i, done=i % episode_len == episode_len - 1)
             i += 1
+
+
+class Writers:
+    """Spawned ``write_until`` writers: started on enter, stopped, joined and killed on exit."""
+
+    def __init__(self, buf, n: int, max_steps: int, episode_len: int, timeout: float = 60.0):
+        import multiprocessing as mp
+
+        from helpers.workers import write_until
+
+        ctx = mp.get_context("spawn")
+        self.timeout = timeout
+        self.stop, self.ready = ctx.Event(), ctx.Semaphore(0)
+        self.procs = [ctx.Process(target=write_until, args=(buf, i, self.stop, self.ready,
+                                                            max_steps, episode_len))
+                      for i in range(n)]
+
+    def __enter__(self):
+        try:
+            for p in self.procs:
+                p.start()
+            for _ in self.procs:
+                assert self.ready.acquire(timeout=self.timeout), "a writer never started"
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        for p in self.procs:
+            p.join(self.timeout)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(self.timeout)
+        self.procs, self.stop, self.ready = [], None, None
