@@ -30,6 +30,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   704  owner          Q    atomic: owner record, lease << 32 | pid; adoption takes it by CAS
   768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
   832  closed         Q    atomic: 0 while open; reason << 32 | pid of who closed it (CLOSED_BY)
+  896  sampled_rows   Q    atomic: rows (steps) returned by sample calls
  1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
  2048  column table   n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
@@ -94,7 +95,8 @@ HEADER_FIELDS = {
     "episodes_at": (120, "<Q"),
 }
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512,
-            "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832}
+            "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
+            "sampled_rows": 896}
 # Who set the closed word (its bits 32-63), for the message writers get.
 CLOSED_BY = {1: "its owner", 2: "'shmbuf rm'", 3: "'shmbuf gc' (its owner was dead)"}
 CLOSED_OWNER, CLOSED_RM, CLOSED_GC = 1, 2, 3

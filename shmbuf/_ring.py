@@ -133,6 +133,8 @@ class Counts:
     chunks_in_use: int
     streams: int
     samples: int
+    sampled_rows: int
+    episodes_logged: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,7 +259,13 @@ class Ring:
         written = self.steps_written()
         episodes = int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())
         return Counts(evicted, live, written, episodes, int(np.count_nonzero(self.count)),
-                      self.counter("next_stream"), self.counter("samples"))
+                      self.counter("next_stream"), self.counter("samples"),
+                      self.counter("sampled_rows"), self.counter("episode_ticket"))
+
+    def count_sample(self, rows: int) -> None:
+        """One sample call served, returning ``rows`` steps."""
+        self.bump("samples")
+        self.bump("sampled_rows", rows)
 
     def claimed_rows(self) -> int:
         """Rows of the chunks claimed so far: every committed row lies below it."""

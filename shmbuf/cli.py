@@ -1,7 +1,7 @@
-"""python -m shmbuf ls | info NAME | rm NAME | gc [--dry-run] | top NAME
+"""python -m shmbuf ls | info NAME | rm [--force] NAME... | gc [--dry-run] | top NAME
 
-Exit codes: 0 success, 1 a named segment is missing or is not a shmbuf
-buffer, 2 bad usage (argparse).
+Exit codes: 0 success, 1 a named segment is missing, is not a shmbuf
+buffer, or (rm without --force) has a live owner; 2 bad usage (argparse).
 """
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import sys
 import time
 
 from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError
-from ._layout import KIND_KEYED
-from ._layout import CLOSED_GC, CLOSED_RM
+from ._keyed_ring import KeyWords
+from ._layout import CLOSED_GC, CLOSED_RM, KIND_KEYED
 from ._ring import Ring, closed_word, owner_alive, owner_record
-from ._segment import Segment, list_segments, unlink
+from ._segment import PREFIX, Segment, list_segments, unlink
 
 
 class _Info:
@@ -27,6 +27,7 @@ class _Info:
             self.segment.close()
             raise
         self.name = name
+        self.keyed = self.owner["kind"] == KIND_KEYED
         self.ring = Ring(self.segment.mmap, self.layout)
 
     @property
@@ -42,9 +43,35 @@ class _Info:
     def closed(self) -> bool:
         return bool(closed_word(self.segment.mmap))
 
+    def state(self) -> str:
+        """The owner's state, in a word or two: alive, dead, closed, adopted."""
+        words = [f"pid {self.owner_pid}", "alive" if self.owner_alive else "dead"]
+        if self.owner_pid != self.owner["owner_pid"]:
+            words.append("adopted")
+        if self.closed:
+            words.append("closed")
+        return " ".join(words)
+
+    def live(self) -> int:
+        """Live steps of a step store; live entries over every key of keyed rings."""
+        if not self.keyed:
+            return self.ring.live_steps()
+        words = KeyWords(self.segment.mmap, self.layout, int(self.owner["meta"]["max_len"]),
+                         self.name)
+        start, count = words.bounds(words.all)
+        return int((count - start).clip(0).sum())
+
+    def columns(self) -> list[tuple[str, object, object]]:
+        """(name as the user knows it, shape, dtype) of every column."""
+        names = {}
+        user = self.owner["meta"].get("user", {}) if self.keyed else {}
+        if user.get("facade") == "HistoryBuffer":  # its columns k0, k1, ... hold its keys
+            names = {f"k{i}": entry[0] for i, entry in enumerate(user.get("keys", []))}
+        return [(names.get(c.name, c.name), c.shape, c.dtype) for c in self.layout.user_columns]
+
     def writers(self) -> list[tuple[int, int, int]]:
         """(slot, pid, steps) of every slot held by a live process."""
-        return self.ring.live_writers()
+        return [] if self.keyed else self.ring.live_writers()
 
     def close(self):
         self.ring = None
@@ -52,13 +79,19 @@ class _Info:
 
 
 def _scan():
-    """Every readable shmbuf segment in /dev/shm, as _Info (caller closes)."""
+    """Every shmbuf-looking entry of /dev/shm: an _Info (caller closes), or (name, why not).
+
+    An entry that is not a readable buffer is reported when its name starts
+    with ``shmbuf-`` (a leftover a user may want to remove); other names are
+    other programs' business.
+    """
     for name in list_segments():
         try:
             yield _Info(name)
         except (CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError, ValueError,
-                OSError):
-            continue  # not ours, gone meanwhile, or another user's
+                OSError) as exc:
+            if name.startswith(PREFIX) and not isinstance(exc, SegmentNotFoundError):
+                yield name, str(exc)
 
 
 def _human(n: float) -> str:
@@ -66,16 +99,20 @@ def _human(n: float) -> str:
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def cmd_ls(args) -> int:
-    print(f"{'NAME':<32} {'SIZE':>10} {'CAPACITY':>10} {'FILL':>10} {'OWNER':>12} {'WRITERS':>7}")
+    print(f"{'NAME':<32} {'SIZE':>10} {'CAPACITY':>10} {'FILL':>10} {'OWNER':>20} {'WRITERS':>7}")
     for info in _scan():
+        if isinstance(info, tuple):
+            name, why = info
+            print(f"{name:<32} NOT A SHMBUF BUFFER: {why}; remove it with "
+                  f"'python -m shmbuf rm --force {name}' if it is a leftover")
+            continue
         try:
-            live = info.ring.live_steps() if info.owner["kind"] != KIND_KEYED else 0
-            owner = f"{info.owner_pid} {'alive' if info.owner_alive else 'dead'}"
             print(f"{info.name:<32} {_human(info.segment.size):>10} {info.layout.capacity:>10} "
-                  f"{live:>10} {owner:>12} {len(info.writers()):>7}")
+                  f"{info.live():>10} {info.state():>20} {len(info.writers()):>7}")
         finally:
             info.close()
     return 0
@@ -86,44 +123,80 @@ def cmd_info(args) -> int:
     try:
         lay, ring = info.layout, info.ring
         print(f"name         {info.name}")
-        print(f"kind         {'keyed rings' if info.owner['kind'] == KIND_KEYED else 'step store'}")
+        print(f"kind         {'keyed rings' if info.keyed else 'step store'}")
         print(f"size         {_human(info.segment.size)}")
-        print(f"owner        pid {info.owner_pid} "
-              f"({'alive' if info.owner_alive else 'dead'})"
-              f"{'' if info.owner_pid == info.owner['owner_pid'] else ', adopted'}"
-              f"{', closed' if info.closed else ''}")
+        print(f"owner        {info.state()}")
         print(f"meta         {info.owner['meta']}")
-        print(f"capacity     {lay.capacity} steps in {lay.n_chunks} chunks of {lay.chunk_size}")
+        if info.keyed:
+            print(f"capacity     {lay.n_chunks} keys x {info.owner['meta']['max_len']} entries")
+            print(f"live entries {info.live()}")
+        else:
+            print(f"capacity     {lay.capacity} steps in {lay.n_chunks} chunks of "
+                  f"{lay.chunk_size}")
         print("columns")
-        for col in lay.user_columns:
-            print(f"  {col.name:<16} shape {str(col.shape):<16} dtype {col.dtype}")
-        if info.owner["kind"] != KIND_KEYED:
+        for name, shape, dtype in info.columns():
+            print(f"  {name:<16} shape {str(shape):<16} dtype {dtype}")
+        if not info.keyed:
             c = ring.counts()  # the one consistent order
             print(f"live steps   {c.live}")
             print(f"written      {c.written}")
             print(f"evicted      {c.evicted}")
-            print(f"episodes     {c.episodes}")
-            print(f"samples      {c.samples}")
+            print(f"episodes     {c.episodes_logged} ended, {c.episodes} on a terminal step")
+            print(f"samples      {c.samples} calls, {c.sampled_rows} rows")
             print(f"streams      {c.streams}")
-        print(f"writers      {len(info.writers())}")
-        for slot, pid, steps in info.writers():
-            print(f"  slot {slot:<4} pid {pid:<8} steps {steps}")
+            print(f"writers      {len(info.writers())}")
+            for slot, pid, steps in info.writers():
+                print(f"  slot {slot:<4} pid {pid:<8} steps {steps}")
     finally:
         info.close()
     return 0
 
 
+def _describe(pid: int) -> str:
+    """``pid`` with its command line, for messages about a live process."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        cmd = ""
+    return f"pid {pid}" + (f" ({cmd[:80]})" if cmd else "")
+
+
 def cmd_rm(args) -> int:
+    status = 0
     for name in args.names:
+        if not args.force:
+            try:
+                info = _Info(name)
+            except (CorruptSegmentError, ValueError, OSError) as exc:
+                if isinstance(exc, SegmentNotFoundError):
+                    raise
+                print(f"shmbuf rm: {name!r} is not a shmbuf buffer ({exc}); pass --force to "
+                      "remove it anyway", file=sys.stderr)
+                status = 1
+                continue
+            try:
+                alive, pid, closed = info.owner_alive, info.owner_pid, info.closed
+            finally:
+                info.close()
+            if alive and not closed:
+                print(f"shmbuf rm: buffer {name!r} is owned by a live process, "
+                      f"{_describe(pid)}; it removes the buffer itself when it closes. Pass "
+                      "--force to remove it now (its writers then stop with "
+                      "BufferClosedError)", file=sys.stderr)
+                status = 1
+                continue
         unlink(name, CLOSED_RM)  # marks it closed first: its writers stop
         print(f"removed {name}")
-    return 0
+    return status
 
 
 def cmd_gc(args) -> int:
-    """Remove shmbuf segments whose owner process is dead; nothing else."""
+    """Remove shmbuf segments whose owner process is dead, or that were closed; nothing else."""
     dead = []
     for info in _scan():
+        if isinstance(info, tuple):
+            continue  # not a buffer: gc never removes what it cannot read
         try:
             if not info.owner_alive or info.closed:
                 dead.append(info.name)
@@ -143,28 +216,49 @@ def cmd_gc(args) -> int:
     return 0
 
 
+def _top_sample(info: _Info) -> dict:
+    if info.keyed:
+        return {"t": time.monotonic(), "live": info.live()}
+    c = info.ring.counts()
+    return {"t": time.monotonic(), "live": c.live, "written": c.written, "evicted": c.evicted,
+            "episodes": c.episodes_logged, "samples": c.samples, "rows": c.sampled_rows,
+            "writers": {slot: (pid, steps) for slot, pid, steps in info.writers()}}
+
+
+def _top_frame(info: _Info, before: dict, now: dict) -> list[str]:
+    dt = max(now["t"] - before["t"], 1e-9)
+    head = f"{info.name}  owner {info.state()}  fill {now['live']}/{info.layout.capacity}"
+    if info.keyed:
+        return [head]
+
+    def rate(key):
+        return (now[key] - before[key]) / dt
+
+    lines = [head + f"  writers {len(now['writers'])}",
+             f"ingest {rate('written'):10.1f} steps/s   episodes {rate('episodes'):8.1f}/s   "
+             f"evicted {rate('evicted'):10.1f} steps/s",
+             f"sampled {rate('rows'):9.1f} rows/s    sample calls {rate('samples'):8.1f}/s",
+             f"totals: written {now['written']}  evicted {now['evicted']}  "
+             f"episodes {now['episodes']}  sampled rows {now['rows']}"]
+    for slot, (pid, steps) in sorted(now["writers"].items()):
+        old = before["writers"].get(slot, (pid, steps))[1]
+        lines.append(f"  slot {slot:<4} pid {pid:<8} steps/s {(steps - old) / dt:10.1f}")
+    return lines
+
+
 def cmd_top(args) -> int:
     info = _Info(args.name)
+    plain = args.plain or not sys.stdout.isatty()
     try:
-        last, last_t = None, time.monotonic()
+        before = _top_sample(info)
+        # Rates need two readings: the first frame comes after a short one.
+        time.sleep(min(args.interval, 0.25))
         for i in range(args.iterations or sys.maxsize):
-            ring = info.ring
-            now = time.monotonic()
-            writers = {slot: (pid, steps) for slot, pid, steps in info.writers()}
-            c = ring.counts()
-            samples = c.samples
-            dt = max(now - last_t, 1e-9)
-            lines = [f"{info.name}  fill {c.live}/{info.layout.capacity}  "
-                     f"written {c.written}  writers {len(writers)}"]
-            if last is not None:
-                lines.append(f"sample calls/s {(samples - last[1]) / dt:10.1f}")
-                for slot, (pid, steps) in sorted(writers.items()):
-                    before = last[0].get(slot, (pid, steps))[1]
-                    lines.append(f"  slot {slot:<4} pid {pid:<8} steps/s {(steps - before) / dt:10.1f}")
-            if not args.plain:
+            now = _top_sample(info)
+            if not plain:
                 sys.stdout.write("\x1b[H\x1b[2J")
-            print("\n".join(lines), flush=True)
-            last, last_t = (writers, samples), now
+            print("\n".join(_top_frame(info, before, now)), flush=True)
+            before = now
             if i + 1 < (args.iterations or sys.maxsize):
                 time.sleep(args.interval)
     except KeyboardInterrupt:
@@ -184,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_info)
     p = sub.add_parser("rm", help="unlink buffers by name (mapped views stay valid)")
     p.add_argument("names", nargs="+")
+    p.add_argument("--force", action="store_true",
+                   help="also remove a buffer whose owner is alive, or an entry that is not "
+                   "a shmbuf buffer")
     p.set_defaults(func=cmd_rm)
     p = sub.add_parser("gc", help="remove buffers whose owner process is dead")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
@@ -192,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: never)")
-    p.add_argument("--plain", action="store_true", help="append lines instead of redrawing")
+    p.add_argument("--plain", action="store_true", help="append lines instead of redrawing "
+                   "(the default when stdout is not a terminal)")
     p.set_defaults(func=cmd_top)
     return parser
 

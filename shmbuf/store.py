@@ -208,7 +208,7 @@ class Buffer(Shared):
             self._gather(windows.rows, pending, targets, time_major, batch_size)
             stale = ~self._finder.still_valid(windows)
             if not stale.any():
-                self._ring.bump("samples")
+                self._ring.count_sample(batch_size * length)
                 return {k: t.result for k, t in targets.items()}
             pending = pending[stale]
             windows = draw(len(pending))

@@ -24,14 +24,20 @@ os.environ["SHMBUF_NAME_TAG"] = TAG
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
+_PID = str(os.getpid())
+
+
 def _ours(name: str) -> bool:
     # Generated names carry the tag; tests that pick a name themselves start
-    # it with "shmbuf-test-" and add their pid.  sem.* are multiprocessing's semaphores,
-    # which its resource tracker removes.
+    # it with "shmbuf-test-" and add this session's pid as a "-"-separated
+    # part, so that two test sessions on one machine never judge (or remove)
+    # each other's segments.  sem.* are multiprocessing's semaphores, which
+    # its resource tracker removes.
     if name.startswith("sem."):
         return False
-    return (name.startswith(("shmbuf-" + TAG, "shmbuf-test-"))
-            or not name.startswith("shmbuf-"))
+    if name.startswith("shmbuf-test-"):
+        return _PID in name.split("-")
+    return name.startswith("shmbuf-" + TAG) or not name.startswith("shmbuf-")
 
 
 def _entries():

@@ -81,11 +81,82 @@ def test_ls_info_top_rm(make_buffer):
         assert "steps/s" in top.stdout  # the writer's slot is listed with its rate
     other = shmbuf.create(SPEC, 10, name=f"shmbuf-test-cli-rm-{os.getpid()}")
     try:
-        rm = cli("rm", other.name)
+        refused = cli("rm", other.name)
+        assert refused.returncode == 1 and os.path.exists(f"/dev/shm/{other.name}")
+        assert f"owned by a live process, pid {os.getpid()}" in refused.stderr
+        assert "--force" in refused.stderr
+        rm = cli("rm", "--force", other.name)
         assert rm.returncode == 0 and not os.path.exists(f"/dev/shm/{other.name}")
-        assert other.stats().capacity == 10  # the mapping outlives the name
+        with pytest.raises(shmbuf.BufferClosedError, match="'shmbuf rm'"):
+            other.writer().add(obs=[1, 2], done=False)  # its owner learns who removed it
     finally:
         other.close()
+
+
+@pytest.mark.slow
+def test_rm_removes_a_dead_owners_buffer_without_force(orphan):
+    rm = cli("rm", orphan)
+    assert rm.returncode == 0 and not os.path.exists(f"/dev/shm/{orphan}")
+
+
+@pytest.mark.slow
+def test_ls_flags_a_shmbuf_named_entry_that_is_not_a_buffer():
+    name = f"shmbuf-test-cli-garbage-{os.getpid()}"
+    garbage = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=8192)
+    try:
+        os.write(garbage.fd, b"not a header" * 100)
+        ls = cli("ls")
+        assert ls.returncode == 0
+        row = next(line for line in ls.stdout.splitlines() if line.startswith(name))
+        assert "NOT A SHMBUF BUFFER" in row and f"rm --force {name}" in row
+        refused = cli("rm", name)
+        assert refused.returncode == 1 and "not a shmbuf buffer" in refused.stderr
+        assert os.path.exists(f"/dev/shm/{name}")
+        assert cli("gc").returncode == 0 and os.path.exists(f"/dev/shm/{name}")
+        assert cli("rm", "--force", name).returncode == 0
+        assert not os.path.exists(f"/dev/shm/{name}")
+    finally:
+        garbage.close_fd()
+        try:
+            garbage.unlink()
+        except posix_ipc.ExistentialError:
+            pass
+
+
+@pytest.mark.slow
+def test_top_prints_rates_from_the_first_frame_without_escapes_when_piped(make_buffer):
+    buf = make_buffer(SPEC, 1000)
+    with buf.writer() as w:
+        for t in range(50):
+            w.add(obs=[1, 2], done=t % 10 == 9)
+    buf.sample_sequences(8, 5)
+    top = cli("top", buf.name, "--iterations", "1", "--interval", "0")  # stdout is a pipe
+    assert top.returncode == 0
+    assert "\x1b[" not in top.stdout
+    assert "ingest" in top.stdout and "steps/s" in top.stdout
+    assert "sampled" in top.stdout and "rows/s" in top.stdout and "episodes" in top.stdout
+    assert "evicted" in top.stdout and "alive" in top.stdout
+    assert "totals: written 50  evicted 0  episodes 5  sampled rows 40" in top.stdout
+
+
+@pytest.mark.slow
+def test_ls_info_and_top_agree_on_a_history_buffer_and_show_its_keys():
+    hb = shmbuf.HistoryBuffer(n_envs=2, max_len=5, spec={"pixels": ((1, 2), np.uint8),
+                                                         "action": ((1, 3), np.float32)})
+    try:
+        for _ in range(3):
+            hb.append({"pixels": np.zeros((2, 1, 2), np.uint8),
+                       "action": np.zeros((2, 1, 3), np.float32)})
+        row = next(line for line in cli("ls").stdout.splitlines() if line.startswith(hb.name))
+        assert row.split()[4] == "6"   # 3 entries for each of 2 envs
+        top = cli("top", hb.name, "--iterations", "1", "--interval", "0")
+        assert "fill 6/" in top.stdout
+        info = cli("info", hb.name)
+        assert info.returncode == 0 and "live entries 6" in info.stdout
+        assert "pixels" in info.stdout and "action" in info.stdout
+        assert "k0" not in info.stdout
+    finally:
+        hb.close()
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ CHILD_TIMEOUT = 60
 
 
 def fresh_name(tag="t"):
-    return f"shmbuf-test-{tag}-{secrets.token_hex(5)}"
+    return f"shmbuf-test-{tag}-{os.getpid()}-{secrets.token_hex(5)}"
 
 
 def exists(name):
