@@ -1,5 +1,6 @@
 """Every script in examples/ runs to completion (with small sizes)."""
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,22 @@ def test_quickstart_runs_and_summarises():
     assert last.startswith("done: 3000 steps from 2 workers") and "exit codes [0, 0]" in last
 
 
+@pytest.mark.slow
+def test_cartpole_world_model_quick_run_learns_and_exits_cleanly():
+    pytest.importorskip("gymnasium")
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / "cartpole_world_model.py"),
+                          "--quick"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    assert len(lines) == 11 and lines[0].startswith("update    30  world-model loss")
+    last = lines[-1]
+    assert last.startswith("done: 300 updates") and "policy v31," in last
+    assert last.endswith("exit codes [0, 0, 0, 0]")
+    first_loss, last_loss = map(float, re.search(r"world-model loss ([\d.]+) -> ([\d.]+)",
+                                                 last).groups())
+    assert last_loss < first_loss / 2  # the world model learns from the sampled sequences
+
+
 def test_every_example_has_a_test():
-    tested = {"quickstart.py"}
+    tested = {"quickstart.py", "cartpole_world_model.py"}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
