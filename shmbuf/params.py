@@ -129,7 +129,7 @@ class ParamBlock(Shared):
 
     # -- the actors' side -----------------------------------------------------------
     def version(self) -> int:
-        """The newest published version (0: none yet); one atomic load."""
+        """The newest published version (0: none yet); cheap (no copy)."""
         self._check_open()
         return self._rings.bounds_of(0)[1]
 

@@ -20,7 +20,8 @@ from gymnasium.wrappers import RecordEpisodeStatistics
 from gymnasium.wrappers.vector import RecordEpisodeStatistics as RecordVectorStatistics
 
 import shmbuf
-from helpers.gym_envs import StepEnv, make_recorded_step_env, make_step_env
+from helpers.gym_envs import (DictActionStepEnv, StepEnv, make_recorded_step_env,
+                              make_step_env)
 from shmbuf.gym import RecordEpisodes, RecordVectorEpisodes, UnsupportedSpaceError, spec_for
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]
@@ -35,15 +36,10 @@ def watchdog():
 
 
 def read_episodes(buf) -> list[dict]:
-    """Finished episodes, oldest first, as ``{column: array}`` (through iter_episodes if any)."""
-    if hasattr(buf, "iter_episodes"):
-        return [dict(ep) for ep in buf.iter_episodes()]
-    snap, eps = buf.snapshot(), buf.episodes()
-    out = []
-    for stream, ep in zip(eps.stream, eps.ep):
-        rows = (snap["stream"] == stream) & (snap["episode"] == ep)
-        out.append({k: v[rows] for k, v in snap["columns"].items()})
-    return out
+    """Finished episodes, oldest first, as ``{column: array}``, read through iter_episodes."""
+    episodes = list(buf.iter_episodes())
+    assert len(episodes) == len(buf.episodes())  # nothing was recycled
+    return episodes
 
 
 def summary(episodes) -> list[tuple[int, float]]:
@@ -387,3 +383,27 @@ def test_recorders_inside_async_workers_write_straight_into_the_buffer(make_buff
     assert not buf.episodes().terminal[-2:].any()
     check_step_windows(buf.sample_sequences(64, 3))
     assert buf.stats().writers == 0
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_dict_actions_are_recorded_per_key(make_buffer, mode):
+    envs = SyncVectorEnv([DictActionStepEnv] * 2, autoreset_mode=mode)
+    buf = make_buffer(spec_for(envs), capacity=1024, seed=5)
+    assert buf.spec["action_move"] == ((), np.uint8)
+    assert buf.spec["action_force"] == ((2,), np.float32)
+    rec = RecordVectorEpisodes(envs, buf)
+    obs, _ = rec.reset(seed=1)
+    rng = np.random.default_rng(1)
+    for _ in range(80):
+        move = rng.integers(3, size=2)
+        force = np.stack([move, -move], axis=1).astype(np.float32) / 2
+        _, _, term, trunc, _ = rec.step({"move": move, "force": force})
+        if mode == AutoresetMode.DISABLED and (term | trunc).any():
+            rec.reset(options={"reset_mask": term | trunc})
+    rec.close()
+    batch = buf.sample_sequences(64, 3)
+    check_step_windows({**batch, "action": batch["action_move"]})
+    first = batch["is_first"]
+    np.testing.assert_array_equal(batch["action_force"][~first][:, 0] * 2,
+                                  batch["action_move"][~first])
+    assert (batch["action_force"][first] == 0).all()

@@ -79,8 +79,10 @@ def spec_for(env, **overrides) -> dict:
         >>> buf = shmbuf.create(spec_for(gym.make("CartPole-v1")), capacity=100_000)
         >>> buf.spec["action"]      # ((), dtype('uint8'))
     """
-    obs_space = getattr(env, "single_observation_space", None) or env.observation_space
-    act_space = getattr(env, "single_action_space", None) or env.action_space
+    obs_space = getattr(env, "single_observation_space", None)
+    act_space = getattr(env, "single_action_space", None)
+    if obs_space is None or act_space is None:  # a single env (Dict spaces may be falsy)
+        obs_space, act_space = env.observation_space, env.action_space
     return _spec(obs_space, act_space, overrides)
 
 

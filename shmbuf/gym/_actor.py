@@ -15,7 +15,7 @@ def run_actor(make_env, buffer, act, *, params=None, steps: int | None = None, s
     process): the env steps here and its steps go straight into shared
     memory.  Policy weights come from ``params`` (a ``shmbuf.params.ParamBlock``
     the trainer publishes to): the loop waits for the first version, then
-    checks the version before every step (one atomic load) and reads the
+    checks the version before every step (two atomic loads) and reads the
     newest weights when it changed.
 
     Args:

@@ -52,3 +52,16 @@ def make_recorded_step_env(buffer, max_len: int = 12):
     from shmbuf.gym import RecordEpisodes
 
     return RecordEpisodes(StepEnv(max_len), buffer)
+
+
+class DictActionStepEnv(StepEnv):
+    """StepEnv with a Dict action: ``move`` is the action the observations name."""
+
+    def __init__(self, max_len: int = 12):
+        super().__init__(max_len)
+        self.action_space = spaces.Dict({"move": spaces.Discrete(3),
+                                         "force": spaces.Box(-1.0, 1.0, (2,), np.float32)})
+
+    def step(self, action):
+        assert action["force"].shape == (2,)
+        return super().step(action["move"])
