@@ -35,9 +35,12 @@ _POLL_S = 1.0       # how often a waiting consumer re-checks that the thread liv
 
 
 def resolve_device(device, pin_memory):
-    """``(torch.device, pin)`` for ``device`` and ``pin_memory``; ValueError if unusable."""
+    """``(torch.device, pin)`` for ``device`` (None: CUDA if available, else CPU) and
+    ``pin_memory``; ValueError if unusable."""
     import torch
 
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:

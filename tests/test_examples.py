@@ -35,6 +35,18 @@ def test_cartpole_world_model_quick_run_learns_and_exits_cleanly():
     assert last_loss < first_loss / 2  # the world model learns from the sampled sequences
 
 
+@pytest.mark.slow
+def test_train_prefetch_trains_on_spawned_workers():
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / "train_prefetch.py"),
+                          "--workers", "2", "--env-steps", "800", "--train-steps", "25",
+                          "--capacity", "4000"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    assert any(line.startswith("step   25/25  loss") for line in lines)
+    assert lines[-1].startswith("done: 25 training steps") and "exit codes [0, 0]" in lines[-1]
+
+
 def test_every_example_has_a_test():
-    tested = {"quickstart.py", "cartpole_world_model.py"}
+    tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py"}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested

@@ -1,0 +1,222 @@
+"""The trainer's data path: prefetch overlap, DataLoader throughput, host-to-device copies.
+
+    python benchmarks/bench_trainer.py [--quick] [--json PATH]
+
+Workload W1 (benchmarks/_store_workload.py): obs (3, 64, 64) uint8, action (6,) f32,
+reward, done; episodes of 500 steps; capacity 100k; batches of 50 windows of 50 steps.
+
+1. Overlap.  A trainer loop alternates taking a batch with a compute step (a torch matmul,
+   which releases the GIL, sized to cost one W1 50x50 sample; torch uses one thread, so
+   the two cores belong to the sampler and the compute).  Step time, relative to the
+   compute step alone: with ``buf.prefetch(depth=2)`` (target <= 1.15x) and with a plain
+   ``sample_sequences`` per step (about 2x).  Also: whether ``np.take`` holds the GIL
+   (how far a pure-Python loop gets while a thread gathers, relative to idle).
+2. DataLoader.  Batches per second of ``DataLoader(buf.dataset(50, 50), num_workers=2,
+   batch_size=None)`` against the same ``sample_sequences`` calls spread over 2 spawned
+   processes (target >= 90%).
+3. CUDA, where available: ``prefetch(device="cuda")`` against ``pin_memory()`` +
+   ``.to(device)`` of each sampled batch.
+
+Prints a fixed-format table and writes JSON (default benchmarks/results/bench_trainer.json).
+Ratios compare figures measured in the same run; nothing here asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+import shmbuf
+from _store_workload import W1_CAPACITY, W1_SPEC, Tracker, _w1_rows, children, fill
+from _trainer_workload import direct_sampler
+
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_trainer.json"
+B, L = 50, 50
+
+
+def _median_time(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gil_progress(buf) -> float:
+    """A pure-Python loop's progress while a thread gathers with np.take, relative to idle."""
+    src = buf.arrays["obs"]
+    idx = np.random.default_rng(0).integers(0, len(src), (L, B))
+    out = np.empty((L, B) + src.shape[1:], src.dtype)
+    stop = threading.Event()
+
+    def gather():
+        while not stop.is_set():
+            np.take(src, idx, axis=0, out=out, mode="clip")
+
+    def count(seconds):
+        c, end = 0, time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            c += 1
+        return c
+
+    idle = count(0.5)
+    th = threading.Thread(target=gather)
+    th.start()
+    try:
+        busy = count(0.5)
+    finally:
+        stop.set()
+        th.join(60)
+    return busy / idle
+
+
+def overlap(buf, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    out = {k: np.empty((L, B) + s, d) for k, (s, d) in W1_SPEC.items()}
+    sample_s = _median_time(lambda: buf.sample_sequences(B, L, out=out), 15)
+    a = torch.randn(256, 256)
+    mm_s = _median_time(lambda: a @ a, 30)
+    reps = max(1, round(sample_s / mm_s))
+
+    def compute():
+        for _ in range(reps):
+            a @ a
+
+    compute_s = _median_time(compute, 15)
+
+    def loop(take):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            take()
+            compute()
+        return (time.perf_counter() - t0) / steps
+
+    alone = loop(lambda: None)
+    plain = loop(lambda: buf.sample_sequences(B, L, out=out))
+    with buf.prefetch(B, L, depth=2, device="cpu") as it:
+        next(it)
+        prefetched = loop(lambda: next(it))
+    return {"sample_ms": sample_s * 1e3, "compute_ms": compute_s * 1e3,
+            "step_alone_ms": alone * 1e3, "step_plain_ms": plain * 1e3,
+            "step_prefetch_ms": prefetched * 1e3, "plain_ratio": plain / alone,
+            "prefetch_ratio": prefetched / alone, "gil_progress": gil_progress(buf)}
+
+
+def dataloader(buf, tracker, n_batches: int) -> dict:
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    per = n_batches // 2
+    with children(ctx, direct_sampler, [(buf.name, B, L, per, barrier, results)] * 2,
+                  barrier=barrier) as procs:
+        got = [results.get(timeout=120) for _ in procs]
+    direct = sum(n for _, _, n in got) / (max(e for _, e, _ in got) - min(s for s, _, _ in got))
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(buf.dataset(B, L), batch_size=None, num_workers=2,
+                        multiprocessing_context="spawn", persistent_workers=True, timeout=120)
+    it = iter(loader)
+    for _ in range(6):      # workers started, imported torch, attached, warmed up
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        batch = next(it)
+    loaded = n_batches / (time.perf_counter() - t0)
+    assert isinstance(batch["obs"], torch.Tensor)
+    del it, loader
+    return {"direct_batches_per_s": direct, "dataloader_batches_per_s": loaded,
+            "ratio": loaded / direct}
+
+
+def cuda_copy(buf, n_batches: int) -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device on this machine"}
+    dev = torch.device("cuda")
+
+    def plain():
+        batch = buf.sample_sequences(B, L)
+        return {k: torch.from_numpy(v).pin_memory().to(dev, non_blocking=True)
+                for k, v in batch.items()}
+
+    plain()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n_batches):
+        plain()
+    torch.cuda.synchronize()
+    plain_rate = n_batches / (time.perf_counter() - t0)
+    with buf.prefetch(B, L, depth=2, device=dev) as it:
+        next(it)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n_batches):
+            batch = next(it)
+            batch["obs"].sum()
+        torch.cuda.synchronize()
+        pre_rate = n_batches / (time.perf_counter() - t0)
+    return {"plain_batches_per_s": plain_rate, "prefetch_batches_per_s": pre_rate,
+            "ratio": pre_rate / plain_rate}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps, under a minute")
+    ap.add_argument("--json", type=Path, default=DEFAULT_JSON, help="where to write results")
+    args = ap.parse_args(argv)
+    steps, batches = (40, 60) if args.quick else (150, 300)
+    load0 = os.getloadavg()[0]
+    tracker = Tracker()
+    with tracker.buffer(W1_SPEC, W1_CAPACITY) as buf:
+        fill(buf, _w1_rows(16, 0), 40_000)
+        ov = overlap(buf, steps)
+        dl = dataloader(buf, tracker, batches)
+        cu = cuda_copy(buf, batches)
+    rows = [
+        ("1a", "compute step alone (matmul, 1 thread)", f"{ov['step_alone_ms']:.2f} ms", "1.00x",
+         ""),
+        ("1b", "step with prefetch(depth=2)", f"{ov['step_prefetch_ms']:.2f} ms",
+         f"{ov['prefetch_ratio']:.2f}x", "<= 1.15x"),
+        ("1c", "step with sample_sequences", f"{ov['step_plain_ms']:.2f} ms",
+         f"{ov['plain_ratio']:.2f}x", "~2x"),
+        ("1d", "python progress while np.take gathers", f"{ov['gil_progress']:.2f} of idle", "",
+         "GIL released: near 1"),
+        ("2a", "direct sample_sequences, 2 processes", f"{dl['direct_batches_per_s']:.1f} b/s",
+         "1.00x", ""),
+        ("2b", "DataLoader(buf.dataset), 2 workers", f"{dl['dataloader_batches_per_s']:.1f} b/s",
+         f"{dl['ratio']:.2f}x", ">= 0.90x"),
+    ]
+    if "skipped" in cu:
+        rows.append(("3", "CUDA host-to-device", cu["skipped"], "", ""))
+    else:
+        rows.append(("3", "prefetch(device='cuda') vs pin_memory()+to()",
+                     f"{cu['prefetch_batches_per_s']:.1f} b/s", f"{cu['ratio']:.2f}x", ""))
+    print(f"{'row':<4} {'measurement':<46} {'value':>18} {'ratio':>7}  target")
+    for r in rows:
+        print(f"{r[0]:<4} {r[1]:<46} {r[2]:>18} {r[3]:>7}  {r[4]}")
+    print(f"\nsample {ov['sample_ms']:.2f} ms, compute {ov['compute_ms']:.2f} ms; "
+          f"cpus={os.cpu_count()} load1 before/after={load0:.2f}/{os.getloadavg()[0]:.2f}; "
+          f"leaked segments={tracker.leftovers() or 'none'}")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu,
+                                     "quick": args.quick, "shmbuf": shmbuf.__version__,
+                                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
