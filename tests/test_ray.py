@@ -300,14 +300,14 @@ def test_prefetch_yields_valid_batches_and_stops(cluster, rb):
     for s in range(500):
         here.add(wid=0, step=s, obs=np.full((3, 8, 8), s % 251, np.uint8),
                  done=(s % EPISODE == EPISODE - 1))
-    with rb.prefetch(32, 8, depth=2) as it:
+    with rb.prefetch(32, 8, depth=2, device="cpu") as it:
         seen = set()
         for _ in range(10):
-            batch = next(it)
+            batch = {k: v.numpy() for k, v in next(it).items()}     # torch CPU tensors
             check_windows(batch, 8)
             seen |= set(np.unique(batch["wid"]).tolist())
     assert seen == {0, 1}
-    assert not it._thread.is_alive()
+    assert it.closed and not it._thread.is_alive()
     with pytest.raises(StopIteration):
         next(it)
     here.close()

@@ -25,7 +25,6 @@ import ray
 from shmbuf.ray._buffer import (DEFAULT_NAMESPACE, ShardedBuffer, ShardEntry, ShardStats,
                                 _alive_nodes, _entry, _start_shards, check_name)
 from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError
-from shmbuf.ray._prefetch import Prefetcher
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 from shmbuf.ray.dreamer import ReplayBuffer
 
@@ -113,6 +112,6 @@ def _shard_actors(name: str, namespace: str) -> list:
     return [ray.get_actor(n, namespace=namespace) for n in sorted(names)]
 
 
-__all__ = ["create", "connect", "ShardedBuffer", "ShardEntry", "ShardStats", "Prefetcher",
+__all__ = ["create", "connect", "ShardedBuffer", "ShardEntry", "ShardStats",
            "LocalWriter", "ShippingWriter", "ReplayBuffer", "ShardLostError",
            "ShardedBufferNotFoundError"]

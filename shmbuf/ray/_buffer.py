@@ -12,7 +12,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 import shmbuf
 from shmbuf.ray import _sampler
 from shmbuf.ray._errors import ShardLostError, is_loss
-from shmbuf.ray._prefetch import Prefetcher
 from shmbuf.ray._shard import META_KEY, Shard, node_id
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 
@@ -103,6 +102,10 @@ class ShardedBuffer:
         """The live shards, as they reported themselves."""
         return list(self._entries.values())
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __repr__(self):
         return (f"<shmbuf.ray.ShardedBuffer {self.name!r} namespace={self.namespace!r} "
                 f"shards={len(self._entries)}{' owner' if self._owner else ''}>")
@@ -176,7 +179,8 @@ class ShardedBuffer:
 
     # -- sampling ---------------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
-                         out: dict | None = None, rng=None, tail: int = 0) -> dict:
+                         out: dict | None = None, rng=None, tail: int = 0,
+                         uniform: str = "steps", newest: int | None = None) -> dict:
         """``batch_size`` windows uniform over all valid windows of all shards.
 
         Each shard's share is drawn multinomially in proportion to its valid
@@ -186,12 +190,16 @@ class ShardedBuffer:
 
         Args:
             batch_size, length, time_major, tail: as ``shmbuf.Buffer.sample_sequences``.
-            out: optional dict of C-contiguous numpy arrays of the batch's shapes.
+            out: optional dict of C-contiguous numpy arrays or CPU torch
+                tensors of the batch's shapes.
             rng: a ``np.random.Generator`` or seed for the split and the
                 shards' draws; default this handle's generator (``seed=``).
+            uniform, newest: only ``"steps"`` and None (per-episode draws
+                across shards are not offered).
 
         Returns:
-            ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major).
+            ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major),
+            or the ``out`` objects.
 
         Raises:
             NotEnoughDataError: no shard holds a valid window yet.
@@ -201,28 +209,60 @@ class ShardedBuffer:
             >>> batch = rb.sample_sequences(50, 50)
         """
         self._check_open()
+        batch_size, length, tail, _ = self._sample_args(batch_size, length, tail, uniform, newest)
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
-        if out is None:
-            out = {k: np.empty(lead + s, d) for k, (s, d) in self._spec.items()}
+        arrays = _out_arrays(out, self._spec, lead)
         p = _sampler.plan(self, batch_size, length, tail, time_major, gen)
-        return _sampler.finish(self, p, out, gen, self.timing)
+        _sampler.finish(self, p, arrays, gen, self.timing)
+        return arrays if out is None else out
 
-    def prefetch(self, batch_size: int, length: int, *, depth: int = 2, tail: int = 0,
-                 time_major: bool = True, device=None, pin_memory=None) -> Prefetcher:
-        """An iterator of global batches made ahead by a thread (see ``_prefetch``).
+    def _sample_args(self, batch_size, length, tail=0, uniform="steps", newest=None):
+        """Checked ``(batch_size, length, tail, newest)`` (``shmbuf.prefetch`` calls it too)."""
+        for arg, v, lo in (("batch_size", batch_size, 1), ("length", length, 1),
+                           ("tail", tail, 0)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+                raise ValueError(f"{arg} must be an int >= {lo}, got {v!r}")
+        if length > self._capacity or tail >= length:
+            raise ValueError(f"need tail < length <= capacity_per_shard ({self._capacity}), "
+                             f"got length {length}, tail {tail}")
+        if uniform != "steps" or newest is not None:
+            raise ValueError("a sharded buffer samples uniform='steps' only (newest=None): "
+                             f"got uniform={uniform!r}, newest={newest!r}")
+        return int(batch_size), int(length), int(tail), None
 
-        A yielded batch stays valid until the next ``next()``.
+    def prefetch(self, batch_size: int, length: int, *, depth: int = 2, device=None,
+                 pin_memory: bool | None = None, rng=None, **sample_kwargs):
+        """Global batches made ahead by a background thread: ``shmbuf``'s own prefetcher.
+
+        The same iterator as ``shmbuf.Buffer.prefetch`` (``shmbuf.prefetch``):
+        ``depth`` preallocated batches of torch tensors (pinned and copied on
+        a side stream for CUDA), each valid until the next ``next()``; errors
+        in the thread are raised by ``next()``.  Each batch's remote shares
+        are requested before its local share is sampled, so the network and
+        the other nodes work while this node gathers, and the whole batch is
+        made while the trainer trains on the previous one.
+
+        Args:
+            device: ``"cpu"`` or ``"cuda[:N]"``; default CUDA when available.
+            rng: seed or generator of the thread's draws (default: one drawn
+                from this handle's generator).
+            **sample_kwargs: ``time_major``, ``tail``.
 
         Example:
-            >>> with rb.prefetch(50, 50, depth=2) as it:
-            ...     batch = next(it)
+            >>> with rb.prefetch(50, 50, depth=2, device="cuda") as batches:
+            ...     for batch in batches: ...
         """
+        from shmbuf.prefetch import Prefetcher
+
         self._check_open()
-        return Prefetcher(self, batch_size, length, depth=depth, tail=tail,
-                          time_major=time_major, device=device, pin_memory=pin_memory,
-                          timeout_s=self._timeout,
-                          rng=np.random.default_rng(self._rng.integers(1 << 63)))
+        if device is None:
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = np.random.default_rng(self._rng.integers(1 << 63) if rng is None else rng)
+        return Prefetcher(self, batch_size, length, depth=depth, device=device,
+                          pin_memory=pin_memory, rng=gen, **sample_kwargs)
 
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
         """Poll ``stats()`` until the live shards hold ``min_steps`` steps; return the sum."""
@@ -348,6 +388,23 @@ class ShardedBuffer:
 
     def _describe(self, entry: ShardEntry) -> str:
         return f"the shard of {self.name!r} on node {entry.node_id} ({entry.buffer})"
+
+
+def _out_arrays(out, spec: dict, lead: tuple) -> dict:
+    """Numpy arrays to fill: fresh ones, or views of the caller's arrays or CPU tensors."""
+    if out is None:
+        return {k: np.empty(lead + s, d) for k, (s, d) in spec.items()}
+    if not isinstance(out, dict) or out.keys() != spec.keys():
+        raise ValueError(f"out must be a dict with exactly the keys {sorted(spec)}")
+    arrays = {}
+    for k, v in out.items():
+        a = v.numpy() if type(v).__module__.startswith("torch") else v
+        if not isinstance(a, np.ndarray) or a.shape != lead + spec[k][0] or (
+                a.dtype != spec[k][1]) or not a.flags.c_contiguous:
+            raise ValueError(f"out[{k!r}] must be a C-contiguous array or CPU tensor of shape "
+                             f"{lead + spec[k][0]} and dtype {spec[k][1]}")
+        arrays[k] = a
+    return arrays
 
 
 def _rebuild(args, timeout_s):

@@ -20,6 +20,7 @@ add windows, so this under-weights the freshest few steps of a shard.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 
 import numpy as np
@@ -30,7 +31,7 @@ from shmbuf.ray._count import valid_starts
 from shmbuf.ray._errors import ShardLostError, is_loss
 
 COUNT_MAX_AGE_S = 1.0
-_VALID = "__valid__"
+_VALID, _SAMPLE_S = "__valid__", "__sample_s__"
 
 
 @dataclasses.dataclass
@@ -54,7 +55,8 @@ class Counts:
 
     def __init__(self):
         self._known: dict = {}       # (node, length, tail) -> (count, monotonic time)
-        self._asked: dict = {}       # (node, length, tail) -> ref of a count call
+        self._asked: dict = {}       # (node, length, tail) -> (shard, ref of a count call)
+        self._lock = threading.Lock()   # a prefetch thread and the caller may both sample
 
     def put(self, node: str, length: int, tail: int, count: int) -> None:
         self._known[(node, length, tail)] = (int(count), time.monotonic())
@@ -67,13 +69,14 @@ class Counts:
         """
         self._collect(lost)
         now, missing = time.monotonic(), []
-        for s in shards:
-            key = (s.node_id, length, tail)
-            have = self._known.get(key)
-            if have is None:
-                missing.append(s)
-            elif now - have[1] > COUNT_MAX_AGE_S and key not in self._asked:
-                self._asked[key] = (s, s.actor.count.remote(length, tail))
+        with self._lock:
+            for s in shards:
+                key = (s.node_id, length, tail)
+                have = self._known.get(key)
+                if have is None:
+                    missing.append(s)
+                elif now - have[1] > COUNT_MAX_AGE_S and key not in self._asked:
+                    self._asked[key] = (s, s.actor.count.remote(length, tail))
         if missing:
             refs = [s.actor.count.remote(length, tail) for s in missing]
             for s, ref in zip(missing, refs):
@@ -88,14 +91,18 @@ class Counts:
 
     def _collect(self, lost) -> None:
         """Take the answers of background count calls that have arrived."""
-        if not self._asked:
+        with self._lock:
+            asked = list(self._asked.items())
+        if not asked:
             return
-        refs = [ref for _, ref in self._asked.values()]
+        refs = [ref for _, (_, ref) in asked]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
         ready = set(ready)
-        for key, (shard, ref) in list(self._asked.items()):
+        for key, (shard, ref) in asked:
             if ref in ready:
-                del self._asked[key]
+                with self._lock:
+                    if self._asked.pop(key, None) is None:
+                        continue
                 try:
                     self.put(key[0], key[1], key[2], ray.get(ref, timeout=0))
                 except Exception as exc:
@@ -170,6 +177,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
         return
     t1 = time.perf_counter()
     rb._counts.put(part.shard.node_id, p.length, p.tail, reply.pop(_VALID))
+    timing["remote_sample_s"] += reply.pop(_SAMPLE_S)
     for k, v in reply.items():
         np.copyto(dest[k], v)
         timing["remote_bytes"] += v.nbytes
@@ -209,4 +217,5 @@ def _slices(out: dict, offset: int, n: int, time_major: bool) -> dict:
 
 def new_timing() -> dict:
     return {"batches": 0, "local_windows": 0, "remote_windows": 0, "remote_bytes": 0,
-            "local_s": 0.0, "remote_wait_s": 0.0, "remote_copy_s": 0.0}
+            "local_s": 0.0, "remote_wait_s": 0.0, "remote_copy_s": 0.0,
+            "remote_sample_s": 0.0}

@@ -113,15 +113,18 @@ class Shard:
     def sample(self, n: int, length: int, tail: int, time_major: bool, seed: int) -> dict:
         """``n`` windows drawn here, as one contiguous batch, plus this shard's fresh count.
 
-        The reply is ``{col: array, "__valid__": int}``; the arrays travel
+        The reply is ``{col: array, "__valid__": int, "__sample_s__": float}`` (the
+        count, and the seconds this call took here); the arrays travel
         through the object store and are read zero-copy where they land.
         """
         self._check_open()
+        t0 = time.perf_counter()
         batch = self._buf.sample_sequences(n, length, tail=tail, time_major=time_major,
                                            rng=seed)
         self._received["samples"] += 1
         self._received["sampled_windows"] += n
         batch["__valid__"] = valid_starts(self._buf, length, tail, self._rng)
+        batch["__sample_s__"] = time.perf_counter() - t0
         return batch
 
     @ray.method(concurrency_group=SAMPLE)
@@ -167,16 +170,27 @@ class Shard:
 
 
 def _write_block(writer, columns: dict, cuts: list) -> None:
-    """Append a block ``(n, T, ...)`` row by row in time, cutting where ``cuts`` say.
+    """Append a block ``(n, T, ...)``, cutting episodes where ``cuts`` say.
 
-    ``Writer.add_batch`` keeps one stream per remote stream, so the block's
-    episodes and stream boundaries are kept exactly.
+    One remote stream (``n == 1``) goes to the writer's own stream, a run at
+    a time with ``Writer.extend`` where the core has it; ``n`` streams go row
+    by row in time through ``add_batch`` (one shard stream per remote
+    stream).  Either way the block's episodes and stream boundaries are kept.
     """
     first = next(iter(columns.values()))
     n, steps = first.shape[:2]
     at: dict[int, list[int]] = {}
     for p, env in cuts:
         at.setdefault(int(p), []).append(int(env))
+    if n == 1 and hasattr(writer, "extend"):
+        start = 0
+        for p in sorted(set(at) | {steps}):
+            if p > start:
+                writer.extend(**{c: a[0, start:p] for c, a in columns.items()})
+            if p in at:
+                writer.end_episode()
+            start = p
+        return
     for t in range(steps + 1):
         for env in at.get(t, ()):
             try:
