@@ -335,13 +335,19 @@ class HistoryBuffer(Shared):
         return cls._from_rings(keyed.attach(name))
 
     @classmethod
-    def _from_rings(cls, rings, params: dict | None = None) -> "HistoryBuffer":
-        """A handle on attached ``rings``, with their parameters or (checked) ``params``."""
+    def _handle(cls, name: str, params: dict | None = None) -> "HistoryBuffer":
+        """An attached handle on segment ``name``, not bound to its rings yet."""
         self = cls.__new__(cls)
         self.rng = np.random.default_rng()
-        self._track(rings.name, owner=False)
+        self._track(name, owner=False)
         if params is not None:
             self._set_params(**params)
+        return self
+
+    @classmethod
+    def _from_rings(cls, rings, params: dict | None = None) -> "HistoryBuffer":
+        """A handle on attached ``rings``, with their parameters or (checked) ``params``."""
+        self = cls._handle(rings.name, params)
         self._adopt(rings, params_from_rings=params is None)
         return self
 
@@ -410,10 +416,6 @@ class HistoryBuffer(Shared):
 def _rebuild(name: str, params: dict) -> HistoryBuffer:
     """Unpickle: attach now if the segment is sized, else a handle that attaches lazily."""
     rings = keyed.attach_if_published(name)   # SegmentNotFoundError once the owner closed
-    if rings is not None:
-        return HistoryBuffer._from_rings(rings, params)
-    self = HistoryBuffer.__new__(HistoryBuffer)
-    self.rng = np.random.default_rng()
-    self._set_params(**params)
-    self._track(name, owner=False)
-    return self
+    if rings is None:
+        return HistoryBuffer._handle(name, params)
+    return HistoryBuffer._from_rings(rings, params)
