@@ -105,7 +105,7 @@ def test_a_second_sigterm_during_cleanup_ends_the_process_at_once():
     finally:
         owner.close()
         if name and shm_exists(name):
-            cli.main(["rm", name])  # a forced stop leaves it, as SIGKILL would
+            cli.main(["rm", "--force", name])  # a forced stop leaves it, as SIGKILL would
 
 
 def test_an_existing_handler_is_left_alone_unless_asked():
@@ -198,7 +198,7 @@ def test_sigterm_with_no_open_owned_buffer_acts_as_before():
     finally:
         owner.close()
         if shm_exists(info["name"]):
-            cli.main(["rm", info["name"]])
+            cli.main(["rm", "--force", info["name"]])
 
 
 def test_sigint_is_left_to_python_and_the_buffer_survives_an_interrupt():
@@ -210,14 +210,17 @@ def test_sigint_is_left_to_python_and_the_buffer_survives_an_interrupt():
         before = signal.getsignal(signal.SIGINT)
         buf = shmbuf.create(SPEC, 512)
         w = buf.writer()
-        print(buf.name, flush=True)
         pos = 0
         try:
+            for pos in range(10):
+                w.add(**step_for(0, pos, 0, pos, False))
+            print(buf.name, flush=True)
             while True:
-                w.add(**step_for(0, pos, 0, pos, False)); pos += 1
+                pos += 1; w.add(**step_for(0, pos, 0, pos, False))
         except KeyboardInterrupt:
             pass
-        w.add(**step_for(0, pos, 0, pos, False))
+        w.end_episode()  # the interrupted add may or may not have published its step
+        w.add(**step_for(0, pos + 1, 1, 0, False))
         verify_batch(buf.sample_sequences(2, 3))
         print(os.path.exists("/dev/shm/" + buf.name), signal.getsignal(signal.SIGINT) is before,
               flush=True)

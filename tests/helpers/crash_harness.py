@@ -7,6 +7,11 @@ round kills one random writer, starts a replacement that joins by name, and
 samples and verifies windows.  Run by hand for the full sizes:
 
     python tests/helpers/crash_harness.py --rounds 1000
+    python tests/helpers/crash_harness.py --restarts --rounds 1000   # SIGKILL the trainer
+
+The second loop kills the trainer (the owner) instead and restarts it; each
+restart takes the buffer over with ``attach(name, own=True)`` while the
+writers keep writing (``run_trainer_restarts``).
 """
 from __future__ import annotations
 
@@ -206,7 +211,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1000)
     parser.add_argument("--writers", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", action="store_true",
+                        help="kill and restart the trainer instead (each restart adopts)")
     args = parser.parse_args()
+    if args.restarts:
+        report = run_trainer_restarts(args.rounds, args.writers, seed=args.seed)
+        print(report.line())
+        for err in report.errors[:10]:
+            print("  ", err)
+        sys.exit(1 if report.errors or report.torn_windows or report.lost_steps else 0)
     report = run(args.rounds, args.writers, seed=args.seed)
     print(report.line())
     for err in report.errors[:10]:
@@ -216,3 +229,168 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# -- the trainer killed and restarted: every restart adopts the buffer ------------------
+@dataclass
+class RestartReport:
+    rounds: int = 0
+    adoptions: int = 0
+    windows_verified: int = 0
+    torn_windows: int = 0
+    lost_steps: int = 0
+    steps_checked: int = 0
+    max_in_flight: int = 0
+    errors: list = field(default_factory=list)
+
+    def line(self) -> str:
+        return (f"rounds {self.rounds}  trainer kills {self.rounds}  adoptions {self.adoptions}  "
+                f"steps checked {self.steps_checked}  lost {self.lost_steps} (max in flight "
+                f"{self.max_in_flight})  windows verified {self.windows_verified}  "
+                f"torn {self.torn_windows}")
+
+
+def _tracked_writer_main(name: str, writer_id: int, published, episode_len: int) -> None:
+    """Child body: add encoded steps; ``published[writer_id]`` is the last one published."""
+    w = shmbuf.attach(name).writer()
+    for pos in range(10_000_000):
+        episode, t = divmod(pos, episode_len)
+        w.add(**step_for(writer_id, pos, episode, t, t == episode_len - 1))
+        published[writer_id] = pos
+    os._exit(0)
+
+
+def _trainer_main(name: str, spec_capacity: tuple, status_fd: int) -> None:
+    """Child body: create the buffer (first run) or adopt it, then sample and verify until killed."""
+    capacity, chunk_size = spec_capacity
+    if name is None:
+        buf = shmbuf.create(SPEC, capacity, chunk_size=chunk_size, max_writers=16,
+                            handle_signals=False)
+    else:
+        buf = shmbuf.attach(name, own=True, handle_signals=False)
+    os.write(status_fd, f"{buf.name} {os.getpid()}\n".encode())
+    for _ in range(10_000_000):
+        try:
+            verify_batch(buf.sample_sequences(8, 6))
+        except shmbuf.NotEnoughDataError:
+            pass
+        except AssertionError:
+            os.write(status_fd, b"torn\n")
+    os._exit(0)
+
+
+def _read_status(fd: int, timeout: float) -> str:
+    import select
+
+    line = b""
+    deadline = time.monotonic() + timeout
+    while not line.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"no word from the trainer in {timeout} s")
+        byte = os.read(fd, 1)
+        if not byte:
+            raise EOFError("the trainer exited without a word")
+        line += byte
+    return line.decode().strip()
+
+
+def _check_fifo(buf, published, n_writers: int, report: RestartReport) -> None:
+    """Nothing published was lost: steps leave only by recycling, in FIFO turn.
+
+    1. The counters add up: every step counted as written is live or was
+       evicted by a chunk recycle, except the few in flight while they are
+       read (each writer counts a step just before publishing it, and a
+       chunk recycled between two of the loads is briefly in neither).
+       Recycling happens only in the tickets' FIFO turn, so a step that
+       vanished any other way (a reset, a reclaimed chunk) shows here.
+    2. A writer's newest chunk is never recycled while it lives, so the
+       buffer still holds the last step each writer had published before
+       the check.
+    """
+    floor = [published[w] for w in range(n_writers)]
+    ring, action = buf._ring, buf._views["action"]
+    c = ring.counts()
+    gap = c.written - c.live - c.evicted
+    report.max_in_flight = max(report.max_in_flight, gap)
+    if not 0 <= gap <= n_writers + 4 * ring.layout.chunk_size:
+        report.lost_steps += max(gap, 0)
+        report.errors.append(f"counters do not add up: written {c.written} != live {c.live} "
+                             f"+ evicted {c.evicted} (+ in flight)")
+    live = ring.live_chunks()
+    copies = [action[int(b):int(b + n), :4].copy() for b, n in zip(live.base, live.count)]
+    kept = ring.unchanged(live.chunk, live.seq)
+    rows = np.concatenate([x for x, k in zip(copies, kept) if k] or [np.empty((0, 4), "f4")])
+    writer, pos = rows[:, 0].astype(np.int64), rows[:, 3].astype(np.int64)
+    for w in range(n_writers):
+        mine = pos[writer == w]
+        report.steps_checked += len(mine)
+        if floor[w] >= 0 and (not len(mine) or mine.max() < floor[w]):
+            report.lost_steps += 1
+            report.errors.append(f"writer {w} published step {floor[w]}, the buffer's newest "
+                                 f"is {mine.max() if len(mine) else None}")
+
+
+def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 2048,
+                         chunk_size: int = 16, seed: int = 0, episode_len: int = 11
+                         ) -> RestartReport:
+    """SIGKILL the trainer (the owner) at random instants; each restart adopts the buffer.
+
+    Writers keep writing throughout.  After each adoption the harness checks
+    that nothing published was lost (``_check_fifo``) and verifies samples;
+    the trainers verify theirs too and report torn windows.
+    """
+    from multiprocessing import RawArray
+
+    rng = np.random.default_rng(seed)
+    report = RestartReport()
+    published = RawArray("q", [-1] * n_writers)
+    status_r, status_w = os.pipe()
+    writers, trainer, name, watcher = [], None, None, None
+    try:
+        trainer = _spawn(_trainer_main, None, (capacity, chunk_size), status_w)
+        name = _read_status(status_r, HANG_SECONDS).split()[0]
+        watcher = shmbuf.attach(name)
+        for wid in range(n_writers):
+            writers.append(_spawn(_tracked_writer_main, name, wid, published, episode_len))
+        watcher.wait_ready(min_steps=capacity // 2, timeout=60)
+        for _ in range(rounds):
+            report.rounds += 1
+            time.sleep(rng.uniform(0, 0.01))  # a random kill instant, not a sync
+            _kill(trainer)
+            trainer = _spawn(_trainer_main, name, (capacity, chunk_size), status_w)
+            got, pid = _read_status(status_r, HANG_SECONDS).split()
+            while got == "torn":  # reports of the dead trainer still in the pipe
+                report.torn_windows += 1
+                got, pid = (_read_status(status_r, HANG_SECONDS).split() + [""])[:2]
+            if got == name and int(pid) == trainer and watcher.stats().owner_pid == trainer:
+                report.adoptions += 1
+            else:
+                report.errors.append(f"round {report.rounds}: trainer {trainer} said {got} {pid}")
+            _check_fifo(watcher, published, n_writers, report)
+            for _ in range(2):
+                try:
+                    report.windows_verified += verify_batch(watcher.sample_sequences(8, 6))
+                except AssertionError as exc:
+                    report.torn_windows += 1
+                    report.errors.append(str(exc))
+        _kill(trainer)
+        trainer = None
+        os.close(status_w)
+        status_w = None
+        for line in os.read(status_r, 1 << 16).decode().split():
+            report.torn_windows += line == "torn"
+    finally:
+        for pid in writers + ([trainer] if trainer else []):
+            _kill(pid)
+        if watcher is not None:
+            watcher.close()
+        if name is not None:
+            try:  # the last trainer was killed: adopt once more, and remove it
+                shmbuf.attach(name, own=True, handle_signals=False).close()
+            except shmbuf.SegmentNotFoundError:
+                pass
+        os.close(status_r)
+        if status_w is not None:
+            os.close(status_w)
+    return report

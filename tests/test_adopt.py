@@ -1,0 +1,197 @@
+"""Adoption: ``attach(name, own=True)`` takes over a buffer whose owner died.
+
+The owner record (pid + start time) is taken by one compare-and-swap, so of
+several restarted trainers exactly one wins; the adopter unlinks at close
+and answers for SIGTERM; writers attached before the crash keep writing.
+"""
+import json
+import os
+import signal
+
+import pytest
+
+import shmbuf
+from shmbuf import _segment, cli
+from shmbuf._layout import CLOSED_OWNER
+from shmbuf._wait import poll
+from helpers import crash_harness
+from helpers.stop_workers import Script, shm_exists
+from helpers.workers import SPEC, verify_batch
+
+OWNER = """
+    import shmbuf, time
+    from helpers.workers import SPEC
+    buf = shmbuf.create(SPEC, 512, chunk_size=8)
+    print(buf.name, flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def dead_owner_buffer():
+    """The name of a buffer whose owner was SIGKILLed (the caller adopts or removes it)."""
+    owner = Script(OWNER)
+    try:
+        return owner.line()
+    finally:
+        owner.close()  # SIGKILL: nothing is cleaned up
+
+
+def test_a_live_owner_is_never_replaced(make_buffer):
+    buf = make_buffer(SPEC, 64)
+    with pytest.raises(shmbuf.OwnerAliveError, match=f"owned by pid {os.getpid()}, which is alive"):
+        shmbuf.attach(buf.name, own=True)
+    with pytest.raises(shmbuf.ShmbufError):
+        shmbuf.attach(buf.name, own=True)
+    assert buf.stats().owner_pid == os.getpid()
+
+
+@pytest.mark.slow
+def test_the_adopter_owns_and_writers_keep_writing():
+    name = dead_owner_buffer()
+    worker = Script(f"""
+        import json, shmbuf
+        from helpers.workers import step_for
+        w = shmbuf.attach({name!r}).writer()
+        print("writing", flush=True)
+        pos = 0
+        try:
+            while True:
+                w.add(**step_for(0, pos, pos // 7, pos % 7, pos % 7 == 6)); pos += 1
+        except shmbuf.BufferClosedError as exc:
+            print(json.dumps(str(exc)), flush=True)
+    """)
+    buf = None
+    try:
+        assert worker.line() == "writing"
+        buf = shmbuf.attach(name, own=True)
+        assert buf.owner and buf.stats().owner_pid == os.getpid() and buf.stats().owner_alive
+        before = buf.stats().steps_written
+        poll(lambda: True if buf.stats().steps_written > before + 100 else None, 60,
+             lambda: AssertionError("the writer stopped after the adoption"))
+        verify_batch(buf.sample_sequences(4, 5))
+        buf.close()  # the adopter unlinks, and its writers learn it
+        assert not shm_exists(name)
+        message = json.loads(worker.line())
+        assert "closed by its owner" in message and f"pid {os.getpid()}" in message
+        assert worker.wait() == 0
+    finally:
+        worker.close()
+        if buf is not None:
+            buf.close()
+        if shm_exists(name):
+            _segment.unlink(name)
+
+
+@pytest.mark.slow
+def test_of_rival_adopters_exactly_one_wins():
+    name = dead_owner_buffer()
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pids = []
+    try:
+        for _ in range(4):
+            pid = os.fork()
+            if pid == 0:  # a restarted trainer
+                code = 1
+                try:
+                    os.read(go_r, 1)  # all start together
+                    try:
+                        buf = shmbuf.attach(name, own=True, handle_signals=False)
+                        result = {"won": os.getpid()}
+                    except shmbuf.OwnerAliveError as exc:
+                        buf, result = None, {"lost": str(exc)}
+                    os.write(out_w, (json.dumps(result) + "\n").encode())
+                    if buf is not None:
+                        os.read(done_r, 1)
+                        buf.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_w, b"x" * 4)
+        results = []
+        with os.fdopen(out_r, "rb", closefd=False) as lines:
+            for _ in range(4):
+                results.append(json.loads(lines.readline()))
+        winners = [r["won"] for r in results if "won" in r]
+        assert len(winners) == 1, results
+        for r in results:
+            if "lost" in r:
+                assert f"owned by pid {winners[0]}" in r["lost"]
+        os.write(done_w, b"x")
+        for pid in pids:
+            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        pids = []
+        assert not shm_exists(name)  # the winner unlinked it at close
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except ProcessLookupError:
+                pass
+        for fd in (go_r, go_w, out_r, out_w, done_r, done_w):
+            os.close(fd)
+        if shm_exists(name):
+            _segment.unlink(name)
+
+
+@pytest.mark.slow
+def test_the_adopter_answers_for_sigterm():
+    name = dead_owner_buffer()
+    adopter = Script(f"""
+        import shmbuf, time
+        buf = shmbuf.attach({name!r}, own=True)
+        print("adopted", flush=True)
+        while True:
+            time.sleep(1)
+    """)
+    try:
+        assert adopter.line() == "adopted"
+        adopter.signal(signal.SIGTERM)
+        assert adopter.wait() == -signal.SIGTERM
+        assert not shm_exists(name)
+    finally:
+        adopter.close()
+        if shm_exists(name):
+            _segment.unlink(name)
+
+
+@pytest.mark.slow
+def test_gc_spares_an_adopted_buffer_and_a_closed_one_cannot_be_adopted(capsys):
+    name = dead_owner_buffer()
+    try:
+        with shmbuf.attach(name, own=True) as buf:
+            assert cli.main(["gc"]) == 0
+            assert shm_exists(name)  # its creator is dead, but its owner now is alive
+            assert cli.main(["info", name]) == 0
+            out = capsys.readouterr().out
+            assert f"pid {os.getpid()} alive adopted" in out, out
+            buf.unlink()
+        name = dead_owner_buffer()
+        _segment._mark_closed(name, CLOSED_OWNER)  # closed, its name not yet removed
+        with pytest.raises(shmbuf.BufferClosedError, match="closed by its owner"):
+            shmbuf.attach(name, own=True)
+        assert cli.main(["gc"]) == 0
+        assert not shm_exists(name)
+    finally:
+        if shm_exists(name):
+            _segment.unlink(name)
+
+
+def test_keyed_rings_are_not_adopted():
+    with shmbuf.HistoryBuffer(n_envs=2, max_len=4, spec={"x": ((), "f4")}) as hb:
+        with pytest.raises(ValueError, match="own=True adopts step stores"):
+            shmbuf.attach(hb.name, own=True)
+
+
+@pytest.mark.slow
+def test_trainer_kill_loop_every_restart_adopts():
+    report = crash_harness.run_trainer_restarts(rounds=50, seed=3)
+    print(report.line())
+    assert report.rounds == 50 and report.adoptions == 50
+    assert report.torn_windows == 0 and report.lost_steps == 0, report.errors[:5]
+    assert not report.errors, report.errors[:5]
+    assert report.windows_verified > 50 * 8
