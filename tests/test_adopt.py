@@ -8,6 +8,7 @@ import json
 import os
 import signal
 
+import numpy as np
 import pytest
 
 import shmbuf
@@ -195,3 +196,29 @@ def test_trainer_kill_loop_every_restart_adopts():
     assert report.torn_windows == 0 and report.lost_steps == 0, report.errors[:5]
     assert not report.errors, report.errors[:5]
     assert report.windows_verified > 50 * 8
+
+
+@pytest.mark.slow
+def test_a_facade_is_adopted_as_itself():
+    owner = Script("""
+        import numpy as np, time
+        from shmbuf import ReplayBuffer
+        rb = ReplayBuffer(100, (3, 8, 8), 6, seq_len=2, batch_size=4)
+        for t in range(10):
+            rb.add({"image": np.zeros((3, 8, 8), np.uint8)}, np.zeros(6), 0.0, False)
+        print(rb.name, flush=True)
+        while True:
+            time.sleep(1)
+    """)
+    try:
+        name = owner.line()
+    finally:
+        owner.close()
+    try:
+        with shmbuf.ReplayBuffer.attach(name, own=True) as rb:
+            assert rb.owner and len(rb.buffer) == 10
+            rb.add({"image": np.zeros((3, 8, 8), np.uint8)}, np.zeros(6), 0.0, False)
+        assert not shm_exists(name)
+    finally:
+        if shm_exists(name):
+            _segment.unlink(name)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import store
-from .._errors import CorruptSegmentError
+from .. import _saving, store
+from .._errors import CorruptSaveError, CorruptSegmentError
 from .._handle import Shared
 
 _REGISTRY: dict[str, type] = {}
@@ -79,17 +79,53 @@ class Facade(Shared):
         raise NotImplementedError
 
     @classmethod
-    def attach(cls, name: str, *, seed=None):
+    def attach(cls, name: str, *, seed=None, own: bool = False, handle_signals=None):
         """Attach to a buffer of this kind, made by another process, by name.
+
+        ``own=True`` takes over a buffer whose creator died (``shmbuf.attach``):
+        this process then unlinks it at close and answers for SIGTERM.
 
         Raises:
             SegmentNotFoundError: no such segment.
             CorruptSegmentError: the segment was not made by this facade.
+            OwnerAliveError: ``own=True`` but its owner is alive.
 
         Example:
             >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f")
+            >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f", own=True)  # after a crash
         """
-        return cls._from_buffer(store.attach(name, seed=seed))
+        return cls._from_buffer(store.attach(name, seed=seed, own=own,
+                                             handle_signals=handle_signals))
+
+    # -- saving to disk -------------------------------------------------------------
+    def save(self, path, **options):
+        """Write the live steps to the directory ``path`` (``Buffer.save``: same options).
+
+        ``Class.load(path)`` (or ``shmbuf.load``) rebuilds this facade from it.
+
+        Example:
+            >>> rb.save("ckpt/replay")
+            >>> rb2 = ReplayBuffer.load("ckpt/replay")
+        """
+        self._check_open()
+        if self.buffer is None:
+            raise ValueError(f"{self._describe()} holds no buffer yet; add steps first")
+        return self.buffer.save(path, **options)
+
+    @classmethod
+    def load(cls, path, name: str | None = None, capacity: int | None = None, *, seed=None,
+             handle_signals=None):
+        """A new buffer of this class from a save of one (see ``shmbuf.load``).
+
+        Raises:
+            CorruptSaveError: the save was made by another class (or is damaged).
+        """
+        made_by = _saving.read_manifest(path)["meta"].get("facade")
+        if made_by != cls.FACADE:
+            raise CorruptSaveError(
+                f"{str(path)!r} was saved by {made_by or 'a plain shmbuf Buffer'}, not by "
+                f"{cls.__name__}; load it with the matching class or shmbuf.load")
+        return _saving.load(path, name, capacity, seed=seed, handle_signals=handle_signals)
 
     @classmethod
     def _from_buffer(cls, buffer):

@@ -151,13 +151,15 @@ class ReplayBuffer(Facade):
         self._device = params["device"]
 
     @classmethod
-    def attach(cls, name: str, *, seed=None, device=None) -> "ReplayBuffer":
+    def attach(cls, name: str, *, seed=None, device=None, own: bool = False,
+               handle_signals=None) -> "ReplayBuffer":
         """Open, from any process, the buffer that another process created as ``name``.
 
         Args:
             name: the creator's ``rb.name``.
             seed: seed of this handle's own generator.
             device: where this handle's samples go; default the creator's device.
+            own, handle_signals: take over a buffer whose creator died (``Facade.attach``).
 
         Raises:
             SegmentNotFoundError: no such segment.
@@ -167,7 +169,7 @@ class ReplayBuffer(Facade):
             >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f", device="cpu")
         """
         device = None if device is None else _device_name(device)
-        self = super().attach(name, seed=seed)
+        self = super().attach(name, seed=seed, own=own, handle_signals=handle_signals)
         if device is not None:
             self._device = device
         return self

@@ -133,8 +133,8 @@ class Memory(Facade):
                      seed=self._pending["seed"], chunk_size=chunk, done_key=None)
 
     @classmethod
-    def attach(cls, name: str, *, seed=None) -> "Memory":
-        """Attach to a Memory made by another process, by name; never unlinks it.
+    def attach(cls, name: str, *, seed=None, own: bool = False, handle_signals=None) -> "Memory":
+        """Attach to a Memory made by another process, by name; never unlinks it, unless ``own``.
 
         Raises:
             SegmentNotFoundError: no such segment.
@@ -143,7 +143,7 @@ class Memory(Facade):
         Example:
             >>> memory = Memory.attach("shmbuf-1a2b3c4d5e6f")
         """
-        memory = super().attach(name, seed=seed)
+        memory = super().attach(name, seed=seed, own=own, handle_signals=handle_signals)
         memory._rng = np.random.default_rng(seed)
         return memory
 
