@@ -3,8 +3,10 @@
 Each item is one batch, already collated: ``sample_sequences``'s dict of
 time-major arrays as torch tensors, so a ``DataLoader`` takes it with
 ``batch_size=None``.  In a DataLoader worker the batch is gathered straight
-into tensors in torch's shared memory, so passing it to the trainer copies
-nothing more; in the main process the tensors share the gathered arrays.
+into shared memory that the worker reuses once the trainer has freed the
+batch (``shmbuf._handoff``), so passing it to the trainer copies nothing
+and costs no page faults; in the main process the tensors share the
+gathered arrays.
 
 Workers attach to the buffer by name (the dataset pickles to the name and
 its arguments, never to data); each draws from its own random stream
@@ -95,6 +97,7 @@ class BatchDataset(IterableDataset):
         for name, (_, dtype) in self._spec.items():
             torch_dtype(dtype, name)
         self._buffer, self._pid = buffer, os.getpid()
+        self._slot_pool = None
 
     @property
     def batch_size(self) -> int:
@@ -111,7 +114,7 @@ class BatchDataset(IterableDataset):
     # -- pickling: the name and the arguments only --------------------------------
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_buffer"] = state["_pid"] = None
+        state["_buffer"] = state["_pid"] = state["_slot_pool"] = None
         return state
 
     def __setstate__(self, state):
@@ -123,24 +126,44 @@ class BatchDataset(IterableDataset):
         worker = get_worker_info()
         todo = self._share(worker)
         rng = self._random.get()
-        lead = self._lead()
+        pool = self._pool() if worker is not None else None
         done = 0
         while todo is None or done < todo:
             if buf.closed or name_gone(self.name):
                 return   # the buffer ended: a clean end of the iteration
-            out = None
-            if worker is not None:
-                out = {k: shared_empty(lead + shape, dtype) for k, (shape, dtype)
-                       in self._spec.items()}
-            batch = buf.sample_sequences(self.batch_size, self.length,
-                                         time_major=self._args["time_major"],
-                                         tail=self._args["tail"],
-                                         uniform=self._args["uniform"],
-                                         newest=self._args["newest"], out=out, rng=rng)
-            if out is None:
-                batch = {k: torch.from_numpy(v) for k, v in batch.items()}
-            yield batch if self.transform is None else self.transform(batch)
+            slot = pool.take() if pool is not None else None
+            if slot is not None:
+                try:
+                    self._sample(buf, pool.tensors(slot), rng)
+                except BaseException:
+                    pool.give_back(slot)
+                    raise
+                yield pool.handoff(slot, self.transform)
+            elif worker is not None:   # every region lent: fresh shared memory
+                out = {k: shared_empty(self._lead() + shape, dtype)
+                       for k, (shape, dtype) in self._spec.items()}
+                yield self._shaped(self._sample(buf, out, rng))
+            else:
+                batch = self._sample(buf, None, rng)
+                yield self._shaped({k: torch.from_numpy(v) for k, v in batch.items()})
             done += 1
+
+    def _sample(self, buf, out, rng):
+        a = self._args
+        return buf.sample_sequences(a["batch_size"], a["length"], time_major=a["time_major"],
+                                    tail=a["tail"], uniform=a["uniform"], newest=a["newest"],
+                                    out=out, rng=rng)
+
+    def _shaped(self, batch):
+        return batch if self.transform is None else self.transform(batch)
+
+    def _pool(self):
+        """This worker's reusable regions (``shmbuf._handoff``), made once per process."""
+        from ._handoff import SlotPool
+
+        if self._slot_pool is None or self._slot_pool[0] != os.getpid():
+            self._slot_pool = (os.getpid(), SlotPool(self._spec, self._lead(), torch_dtype))
+        return self._slot_pool[1]
 
     def _lead(self) -> tuple:
         b, n = self.batch_size, self.length

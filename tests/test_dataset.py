@@ -62,7 +62,6 @@ def test_workers_draw_their_documented_streams(make_buffer, method):
     ds = buf.dataset(8, 4, batches=6)
     got = [b["x"] for b in _loader(ds, method, generator=torch.Generator().manual_seed(5))]
     assert len(got) == 6 and len({tuple(b.flatten().tolist()) for b in got}) == 6
-    assert all(b.is_shared() for b in got)   # gathered into torch's shared memory
     base = torch.empty((), dtype=torch.int64).random_(
         generator=torch.Generator().manual_seed(5)).item() & 0xFFFFFFFFFFFFFFFF
     rngs = [np.random.default_rng(stream_seed(21, (WORKER, w, base))) for w in range(2)]
@@ -138,3 +137,29 @@ def test_a_batch_larger_than_the_data_raises_like_sample(make_buffer):
     fill_counter(buf, 30, episode_len=10)
     with pytest.raises(shmbuf.NotEnoughDataError):
         next(iter(buf.dataset(4, 20)))
+
+
+@pytest.mark.slow
+def test_a_worker_reuses_the_memory_the_trainer_freed(make_buffer):
+    buf = _filled(make_buffer)
+    seen, kept = set(), []
+    for i, batch in enumerate(_loader(buf.dataset(8, 4, batches=40), "fork", workers=1)):
+        seen.add(batch["x"].data_ptr())
+        if i % 10 == 0:   # held by the trainer to the end: its region is never reused
+            kept.append((batch, batch["x"].clone()))
+        del batch
+    assert len(seen) <= 4 + len(kept)   # the other regions came back and were reused
+    assert all(torch.equal(b["x"], copy) for b, copy in kept)
+
+
+def test_kept_batches_are_never_overwritten(make_buffer):
+    """The trainer keeps every batch: the worker runs out of regions and carries on."""
+    buf = _filled(make_buffer)
+    loader = _loader(buf.dataset(8, 4, batches=12, seed=4), "fork", workers=1,
+                     generator=torch.Generator().manual_seed(1))
+    kept = list(loader)
+    again = list(_loader(buf.dataset(8, 4, batches=12, seed=4), "fork", workers=1,
+                         generator=torch.Generator().manual_seed(1)))
+    assert len(kept) == 12
+    for a, b in zip(kept, again):
+        assert torch.equal(a["x"], b["x"])
