@@ -67,6 +67,29 @@ def numpy_dtype(label: str, dtype) -> tuple[np.dtype, bool]:
     return _native(dt), False
 
 
+def block_keys(keys) -> frozenset:
+    """``HistoryBuffer(block_keys=...)`` as a set of key names (a bare string is refused)."""
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"block_keys must be an iterable of key names, not the string "
+                        f"{keys!r}; did you mean ({keys!r},)?")
+    return frozenset(keys)
+
+
+def env_ids(ids, n_envs: int, verb: str, distinct: bool) -> np.ndarray:
+    """``env_ids`` as int64 in ``[0, n_envs)``; negative ids count from the end, as upstream."""
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise TypeError(f"{verb}: env_ids must be a list of ints, got {ids!r}")
+    arr = arr.astype(np.int64)
+    bad = (arr < -n_envs) | (arr >= n_envs)
+    if bad.any():
+        raise IndexError(f"{verb}: env id {arr[bad][0]} is out of range for n_envs={n_envs}")
+    arr = np.where(arr < 0, arr + n_envs, arr)
+    if distinct and np.unique(arr).size != arr.size:
+        raise ValueError(f"{verb}: env_ids must be distinct, got {arr.tolist()}")
+    return arr
+
+
 def schema_from_spec(spec) -> tuple[KeySchema, ...]:
     """``{key: (per-env shape, dtype)}`` -> schema; a torch dtype makes ``get`` return torch."""
     if not isinstance(spec, Mapping) or not spec:

@@ -16,16 +16,11 @@ from .. import keyed
 from .._args import check_int
 from .._errors import CorruptSegmentError, SchemaPendingError
 from .._handle import Shared
+from .._process_rng import ProcessRandom
 from .._segment import Reservation, generate_name
 from .._strided import contiguous_window
 from . import _history_out, _infos
 from ._base import to_numpy
-
-def _block_keys(block_keys) -> frozenset:
-    if isinstance(block_keys, (str, bytes)):
-        raise TypeError(f"block_keys must be an iterable of key names, not the string "
-                        f"{block_keys!r}; did you mean ({block_keys!r},)?")
-    return frozenset(block_keys)
 
 
 class HistoryBuffer(Shared):
@@ -77,8 +72,9 @@ class HistoryBuffer(Shared):
         block_keys: keys returned as macro-blocks (typically ``('action',)``).
         spec: optional ``{key: (per-env per-step shape, dtype)}``; a torch
             dtype makes ``get`` return torch tensors for that key.
-        seed: seed of the buffer's own ``np.random.Generator`` (``rng``);
-            nothing here is random, it exists for uniformity with the others.
+        seed: seed of ``rng``, this process's ``np.random.Generator`` (each
+            process its own, see ``shmbuf._process_rng``); nothing here is
+            random, it exists for uniformity with the others.
         name: segment name; generated if None.
 
     Raises:
@@ -100,9 +96,9 @@ class HistoryBuffer(Shared):
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
                  spec=None, seed=None, name: str | None = None):
         self._set_params(check_int("n_envs", n_envs), check_int("max_len", max_len),
-                         check_int("action_block", action_block), _block_keys(block_keys))
+                         check_int("action_block", action_block), _infos.block_keys(block_keys))
         schema = _infos.schema_from_spec(spec) if spec is not None else None
-        self.rng = np.random.default_rng(seed)
+        self._random = ProcessRandom(seed, name=name or "")
         # The name is taken now; the first append sizes the segment (see the class doc).
         self._reservation = Reservation(generate_name() if name is None else name)
         self._track(self._reservation.name, owner=True, resource=self._reservation)
@@ -168,20 +164,8 @@ class HistoryBuffer(Shared):
         return self._rings
 
     def _env_ids(self, env_ids, verb: str, distinct: bool = False) -> np.ndarray:
-        if env_ids is None:
-            return self._all
-        arr = np.asarray(env_ids)
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise TypeError(f"{verb}: env_ids must be a list of ints, got {env_ids!r}")
-        arr = arr.astype(np.int64)
-        bad = (arr < -self.n_envs) | (arr >= self.n_envs)
-        if bad.any():
-            raise IndexError(f"{verb}: env id {arr[bad][0]} is out of range for "
-                             f"n_envs={self.n_envs}")
-        arr = np.where(arr < 0, arr + self.n_envs, arr)
-        if distinct and np.unique(arr).size != arr.size:
-            raise ValueError(f"{verb}: env_ids must be distinct, got {arr.tolist()}")
-        return arr
+        return self._all if env_ids is None else _infos.env_ids(env_ids, self.n_envs, verb,
+                                                                   distinct)
 
     # -- the seed API -----------------------------------------------------------
     def append(self, info_dict: dict, env_ids=None) -> None:
@@ -338,7 +322,7 @@ class HistoryBuffer(Shared):
     def _handle(cls, name: str, params: dict | None = None) -> "HistoryBuffer":
         """An attached handle on segment ``name``, not bound to its rings yet."""
         self = cls.__new__(cls)
-        self.rng = np.random.default_rng()
+        self._random = ProcessRandom()
         self._track(name, owner=False)
         if params is not None:
             self._set_params(**params)
