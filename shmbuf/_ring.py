@@ -58,6 +58,16 @@ def header_published(mm) -> bool:
     return atomic.load_acquire(mm, 0) == MAGIC
 
 
+def header_written(mm) -> bool:
+    """True once the first word is set: by ``publish_header``, or by something not shmbuf.
+
+    A creator stores the magic last, so a zero word means "not yet"; any
+    other word is final, and decoding the header tells a buffer from a
+    foreign segment (a wrong magic) at once instead of waiting for it.
+    """
+    return atomic.load_acquire(mm, 0) != 0
+
+
 # -- the closed mark and the owner record (segments of every kind) -----------------
 _CLOSED, _OWNER, _OWNER_STAMP = COUNTERS["closed"], COUNTERS["owner"], COUNTERS["owner_stamp"]
 

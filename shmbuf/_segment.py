@@ -141,9 +141,14 @@ class Segment:
         _ring.publish_header(self.mmap, header)
 
     def published(self) -> bool:
-        """True once the creator has written a whole header (its magic is there)."""
+        """True once the creator has written a whole header, or the segment is foreign.
+
+        The magic is stored last, so its word stays zero until the header is
+        whole; a segment whose first word is anything else is decoded at
+        once (a wrong magic is an immediate CorruptSegmentError, not a wait).
+        """
         return (self.mmap is not None and self.size >= COLUMN_TABLE
-                and _ring.header_published(self.mmap))
+                and _ring.header_written(self.mmap))
 
     def header(self, kind: int | None = None, timeout: float = ATTACH_TIMEOUT):
         """Decode and check the header: ``(layout, owner fields)``.

@@ -6,6 +6,7 @@ buffer, or (rm without --force) has a live owner; 2 bad usage (argparse).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -13,7 +14,7 @@ from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissio
 from ._keyed_ring import KeyWords
 from ._layout import CLOSED_GC, CLOSED_RM, KIND_KEYED
 from ._ring import Ring, closed_word, owner_alive, owner_record
-from ._segment import PREFIX, Segment, list_segments, unlink
+from ._segment import PREFIX, SHM_DIR, Segment, list_segments, unlink
 
 
 class _Info:
@@ -91,7 +92,18 @@ def _scan():
         except (CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError, ValueError,
                 OSError) as exc:
             if name.startswith(PREFIX) and not isinstance(exc, SegmentNotFoundError):
-                yield name, str(exc)
+                yield name, _why_not_a_buffer(name, exc)
+
+
+def _why_not_a_buffer(name: str, exc: Exception) -> str:
+    try:
+        empty = os.stat(os.path.join(SHM_DIR, name)).st_size == 0
+    except OSError:
+        empty = False
+    if empty:
+        return ("an empty reservation, no header yet (a HistoryBuffer before its first "
+                "append, or a creator that died before sizing it)")
+    return str(exc)
 
 
 def _human(n: float) -> str:
