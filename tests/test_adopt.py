@@ -222,3 +222,17 @@ def test_a_facade_is_adopted_as_itself():
     finally:
         if shm_exists(name):
             _segment.unlink(name)
+
+
+def test_adopting_with_the_wrong_class_leaves_the_buffer_alone():
+    name = dead_owner_buffer()  # a plain Buffer
+    try:
+        with pytest.raises(shmbuf.CorruptSegmentError, match="not by ReplayBuffer"):
+            shmbuf.ReplayBuffer.attach(name, own=True)
+        assert shm_exists(name)
+        with shmbuf.attach(name, own=True) as buf:  # still adoptable by the right class
+            assert buf.owner
+        assert not shm_exists(name)
+    finally:
+        if shm_exists(name):
+            _segment.unlink(name)

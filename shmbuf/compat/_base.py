@@ -94,6 +94,8 @@ class Facade(Shared):
             >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f")
             >>> rb = ReplayBuffer.attach("shmbuf-1a2b3c4d5e6f", own=True)  # after a crash
         """
+        if own:  # a look first: adopting another class's buffer would unlink it on refusal
+            cls._from_buffer(store.attach(name)).close()
         return cls._from_buffer(store.attach(name, seed=seed, own=own,
                                              handle_signals=handle_signals))
 
@@ -169,9 +171,9 @@ class Facade(Shared):
         ``torch.save(buf.state_dict(), path)`` then
         ``torch.load(path, weights_only=True)`` works.
         """
-        state = self.buffer.snapshot()
+        state = self.buffer.state_dict()   # tensors already; one copy of the live steps
         state["facade"] = self.FACADE
-        return to_torch(state)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict`` into this buffer, keeping this buffer's capacity.
@@ -180,10 +182,12 @@ class Facade(Shared):
             ValueError: the checkpoint was made by another facade or has another
                 schema; nothing is changed.
         """
-        state = to_numpy(dict(state))
+        if not isinstance(state, dict):
+            raise ValueError(f"state: expected a dict from state_dict(), got "
+                             f"{type(state).__name__}")
+        state = dict(state)
         made_by = state.pop("facade", None)
         if made_by != self.FACADE:
             raise ValueError(f"state: checkpoint was made by {made_by!r}, not {self.FACADE!r}")
-        state["spec"] = {k: (list(v[0]), v[1]) for k, v in state["spec"].items()}
         self._drop_writer()  # its open chunk would otherwise survive the restore
-        self.buffer.restore(state)
+        self.buffer.load_state_dict(state)

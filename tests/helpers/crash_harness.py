@@ -227,9 +227,6 @@ def main() -> None:
     sys.exit(1 if report.errors or report.torn_windows or report.hangs else 0)
 
 
-if __name__ == "__main__":
-    main()
-
 
 # -- the trainer killed and restarted: every restart adopts the buffer ------------------
 @dataclass
@@ -394,3 +391,7 @@ def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 2
         if status_w is not None:
             os.close(status_w)
     return report
+
+
+if __name__ == "__main__":
+    main()
