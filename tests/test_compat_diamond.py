@@ -124,7 +124,7 @@ def test_sample_gives_chw_floats_and_the_stored_next_obs(make_rb):
     assert batch["obs"].shape == batch["next_obs"].shape == (512, C, H, W)
     assert batch["actions"].shape == (512, A) and batch["actions"].dtype == torch.float32
     assert batch["rewards"].shape == batch["dones"].shape == (512,)
-    assert batch["dones"].dtype == torch.float32
+    assert batch["dones"].dtype == torch.bool   # upstream's dtype
     assert all(v.device.type == "cpu" for v in batch.values())
     ident = identities(batch["actions"])
     check_steps(ident, batch["obs"], batch["next_obs"], batch["rewards"], batch["dones"])
@@ -214,7 +214,7 @@ def test_continuous_actions_are_kept_and_integer_buffers_refuse_floats(make_rb):
 
     discrete = make_rb(action_dim=1)   # float32 holds action indices exactly
     discrete.add(frame(0, 0, 0), 5, 0.0, False, frame(0, 0, 1))
-    assert discrete.sample(2)["actions"].tolist() == [[5.0], [5.0]]
+    assert discrete.sample(2)["actions"].tolist() == [5.0, 5.0]   # (B,): upstream squeezes
 
     ints = make_rb(action_dim=1, action_dtype=torch.int64)
     assert ints.action_dtype == np.int64
@@ -223,7 +223,42 @@ def test_continuous_actions_are_kept_and_integer_buffers_refuse_floats(make_rb):
         ints.add(frame(0, 0, 1), 2.5, 0.0, False, frame(0, 0, 2))
     assert len(ints) == 1
     out = ints.sample(3)["actions"]
-    assert out.dtype == torch.int64 and out.tolist() == [[3], [3], [3]]
+    assert out.dtype == torch.int64 and out.tolist() == [3, 3, 3]
+
+
+def test_action_dim_1_squeezes_the_action_axis_as_upstream(make_rb):
+    rb = make_rb(action_dim=1)
+    for t in range(12):   # episodes of 6 steps, action == t
+        rb.add(frame(0, t // 6, t % 6), np.float32(t), float(t), t % 6 == 5,
+               frame(0, t // 6, t % 6 + 1))
+    batch = rb.sample(16)
+    assert batch["actions"].shape == (16,) and batch["actions"].dtype == torch.float32
+    assert torch.equal(batch["actions"], batch["rewards"])
+    seq = rb.sample_sequence(8, 3, burn_in=2)
+    assert seq["actions"].shape == (8, 3) and seq["burn_in_actions"].shape == (8, 2)
+    assert torch.equal(seq["actions"], seq["rewards"])
+    assert torch.equal(seq["burn_in_actions"] + 2, seq["actions"][:, :2])
+    assert seq["dones"].shape == (8, 3) and seq["dones"].dtype == torch.bool
+    item = SequenceDataset(rb, sequence_length=4, burn_in=1)[0]
+    assert item["action_seq"].shape == item["actions"].shape == (4,)
+    assert item["burn_in_actions"].shape == (1,) and item["dones"].dtype == torch.bool
+    loader = DataLoader(SequenceDataset(rb, 4, 1), batch_size=5)
+    assert next(iter(loader))["action_seq"].shape == (5, 4)   # (B, L)
+
+
+def test_size_and_position_count_every_writers_steps(make_rb):
+    rb = make_rb(capacity=64)
+    assert (rb.size, rb.position) == (0, 0)
+    add_steps(rb, 0, 10)
+    other = ReplayBuffer.attach(rb.name)
+    try:
+        add_steps(other, 1, 5)
+        assert (rb.size, rb.position) == (15, 15) and (other.size, other.position) == (15, 15)
+        add_steps(rb, 0, 60, 10)    # 75 steps into 64 rows: the oldest chunks went
+        assert rb.position == 75 % 64
+        assert rb.size == len(rb) <= rb.capacity and rb.size == rb.buffer.stats().live_steps
+    finally:
+        other.close()
 
 
 @pytest.mark.parametrize("bad, error, arg", [

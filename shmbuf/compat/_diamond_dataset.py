@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
-from .diamond import ReplayBuffer, _frames, _values
+from .diamond import ReplayBuffer, _actions, _frames, _values
 
 
 class SequenceDataset:
@@ -40,8 +40,9 @@ class SequenceDataset:
         TypeError / ValueError: a bad argument, naming it.
 
     Items are dicts of CPU tensors: ``obs_seq`` (L, C, H, W) float32 in [0, 1];
-    ``action_seq`` and its alias ``actions`` (L, action_dim); ``rewards`` and
-    ``dones`` (L,) float32; ``next_obs`` (C, H, W), the frame right after
+    ``action_seq`` and its alias ``actions`` (L, action_dim), or (L,) when
+    ``action_dim == 1`` as upstream; ``rewards`` (L,) float32 and ``dones``
+    (L,) bool; ``next_obs`` (C, H, W), the frame right after
     ``obs_seq[-1]``; ``burn_in_obs`` and ``burn_in_actions`` (burn_in, ...).
     A draw with too little data raises ``NotEnoughDataError``.  Indexing
     never runs out: iterate through a DataLoader or ``range(len(dataset))``.
@@ -76,13 +77,13 @@ class SequenceDataset:
             1, self._length, time_major=False, rng=self._generator())
         w = {k: v[0] for k, v in batch.items()}
         ctx, seq = np.s_[:self.burn_in], np.s_[self.burn_in:]
-        actions = _values(w["action"][seq], "cpu")
+        actions = _actions(w["action"][seq], "cpu")
         return {"obs_seq": _frames(w["obs"][seq], "cpu"), "action_seq": actions,
                 "actions": actions, "rewards": _values(w["reward"][seq], "cpu"),
-                "dones": _values(w["done"][seq], "cpu", np.float32),
+                "dones": _values(w["done"][seq], "cpu"),
                 "next_obs": _frames(w["next_obs"][-1], "cpu"),
                 "burn_in_obs": _frames(w["obs"][ctx], "cpu"),
-                "burn_in_actions": _values(w["action"][ctx], "cpu")}
+                "burn_in_actions": _actions(w["action"][ctx], "cpu")}
 
     def _generator(self) -> np.random.Generator:
         """This process's generator: a DataLoader worker reseeds from torch's worker seed."""

@@ -30,7 +30,13 @@ Deliberate differences from upstream (torchwm 0.4.2):
   ``torch.load(path, weights_only=True)`` works; loading keeps the capacity;
 - DataLoader workers read the live shared buffer, new steps included;
 - too little data raises ``NotEnoughDataError``; ``seed=`` seeds each handle's
-  own generator; inputs are checked before anything is written.
+  own generator; inputs are checked before anything is written;
+- ``position`` is ``steps % capacity``, a counter kept for compatibility (with
+  several writer processes there is no single write position), as Dreamer's ``idx``.
+
+Kept from upstream: ``dones`` are bool, and with ``action_dim == 1`` the
+action axis is squeezed (``actions`` ``(B,)`` from ``sample``, ``(B, L)``
+from ``sample_sequence``, ``(L,)`` in a ``SequenceDataset`` item).
 
 ``import shmbuf`` must not import torch: only the methods that build tensors
 import it, and ``SequenceDataset`` implements torch's map-style Dataset
@@ -93,10 +99,15 @@ def _frames(array: np.ndarray, device):
     return chw.div_(torch.full((), 255.0, device=chw.device))
 
 
-def _values(array: np.ndarray, device, dtype=None):
+def _values(array: np.ndarray, device):
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(array, dtype)).to(device)
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def _actions(array: np.ndarray, device):
+    """``(..., action_dim)`` actions as a tensor; upstream squeezes ``action_dim == 1`` away."""
+    return _values(array[..., 0] if array.shape[-1] == 1 else array, device)
 
 
 @register
@@ -174,11 +185,27 @@ class ReplayBuffer(Facade):
             self._device = device
         return self
 
-    # -- identity ---------------------------------------------------------------
+    # -- identity and counters ----------------------------------------------------
     @property
     def capacity(self) -> int:
         """Steps held before the oldest are evicted."""
         return self.buffer.capacity
+
+    @property
+    def size(self) -> int:
+        """Transitions stored now (upstream's ``size``), by every process together."""
+        return len(self)
+
+    @property
+    def position(self) -> int:
+        """``steps % capacity``: where upstream's single ring would write next.
+
+        With several writer processes each fills its own chunk of rows, so
+        this is a counter kept for compatibility (like Dreamer's ``idx``),
+        not a row index.
+        """
+        self._check_open()
+        return self.buffer.stats().steps_written % self.capacity
 
     @property
     def device(self):
@@ -237,8 +264,8 @@ class ReplayBuffer(Facade):
         Returns:
             A dict of tensors on ``device``: ``obs`` and ``next_obs``
             ``(B, C, H, W)`` float32 in [0, 1]; ``actions`` ``(B, action_dim)``
-            of ``action_dtype``; ``rewards`` ``(B,)`` float32; ``dones``
-            ``(B,)`` float32 (1.0 on a terminal step).
+            of ``action_dtype`` (``(B,)`` when ``action_dim == 1``, as
+            upstream); ``rewards`` ``(B,)`` float32; ``dones`` ``(B,)`` bool.
 
         Raises:
             NotEnoughDataError: the buffer is empty.
@@ -252,9 +279,8 @@ class ReplayBuffer(Facade):
         batch = self.buffer.sample_steps(batch_size)
         dev = self._device
         return {"obs": _frames(batch["obs"], dev), "next_obs": _frames(batch["next_obs"], dev),
-                "actions": _values(batch["action"], dev),
-                "rewards": _values(batch["reward"], dev),
-                "dones": _values(batch["done"], dev, np.float32)}
+                "actions": _actions(batch["action"], dev),
+                "rewards": _values(batch["reward"], dev), "dones": _values(batch["done"], dev)}
 
     def sample_sequence(self, batch_size: int, sequence_length: int, burn_in: int = 0) -> dict:
         """Draw ``batch_size`` sequences of consecutive steps, each with ``burn_in`` context.
@@ -271,10 +297,11 @@ class ReplayBuffer(Facade):
             ``next_obs`` ``(B, L, C, H, W)`` float32 in [0, 1], where
             ``next_obs[:, t]`` is the frame after ``obs[:, t]`` (so
             ``next_obs[:, -1]`` is the frame after the sequence); ``actions``
-            ``(B, L, action_dim)``; ``rewards`` and ``dones`` ``(B, L)``
-            float32; ``burn_in_obs`` ``(B, burn_in, C, H, W)`` and
-            ``burn_in_actions`` ``(B, burn_in, action_dim)``, empty along
-            time when ``burn_in == 0``.
+            ``(B, L, action_dim)`` (``(B, L)`` when ``action_dim == 1``);
+            ``rewards`` ``(B, L)`` float32; ``dones`` ``(B, L)`` bool;
+            ``burn_in_obs`` ``(B, burn_in, C, H, W)`` and ``burn_in_actions``
+            shaped like ``actions`` with ``burn_in`` steps, empty along time
+            when ``burn_in == 0``.
 
         Raises:
             NotEnoughDataError: no episode holds ``burn_in + sequence_length`` steps yet.
@@ -290,11 +317,11 @@ class ReplayBuffer(Facade):
         dev, ctx, seq = self._device, np.s_[:, :burn_in], np.s_[:, burn_in:]
         return {"obs": _frames(batch["obs"][seq], dev),
                 "next_obs": _frames(batch["next_obs"][seq], dev),
-                "actions": _values(batch["action"][seq], dev),
+                "actions": _actions(batch["action"][seq], dev),
                 "rewards": _values(batch["reward"][seq], dev),
-                "dones": _values(batch["done"][seq], dev, np.float32),
+                "dones": _values(batch["done"][seq], dev),
                 "burn_in_obs": _frames(batch["obs"][ctx], dev),
-                "burn_in_actions": _values(batch["action"][ctx], dev)}
+                "burn_in_actions": _actions(batch["action"][ctx], dev)}
 
     def _window(self, sequence_length, burn_in) -> tuple[int, int]:
         """(window length, burn_in), checked against the capacity."""
