@@ -267,13 +267,15 @@ def test_strings_and_python_scalars_are_broadcast(make):
         buf.append({"task": f"push-{t}", "eps": 0.5 * t, "flag": bool(t), "k": t,
                     "f32": np.float32(t), "obs": np.zeros((2, 1), np.uint8)})
     out = buf.get(2)
-    assert out["task"].tolist() == [["push-0", "push-1"]] * 2 and out["task"].dtype.kind == "U"
+    assert out["task"].tolist() == [["push-0", "push-1"]] * 2
+    assert out["task"].dtype == np.dtype("<U6")   # the value's own width, as upstream's stack
     assert out["eps"].tolist() == [[0.0, 0.5]] * 2 and out["eps"].dtype == np.float64
     assert out["flag"].tolist() == [[False, True]] * 2 and out["flag"].dtype == np.bool_
     assert out["k"].dtype == np.int64 and out["f32"].dtype == np.float32
     buf.append({"task": "x" * 32, "eps": 1, "flag": 1, "k": np.array([5, 6]), "f32": 1.0,
                 "obs": np.zeros((2, 1), np.uint8)})
     assert buf.get(1)["k"].tolist() == [[5], [6]]
+    assert buf.get(2)["task"].dtype == np.dtype("<U32")   # a later, longer string: wider
     before = buf.get(2)
     for bad, err in [({"task": "y" * 33}, "fixed width"), ({"k": 1.5}, "losing"),
                      ({"task": ["a", "b"]}, "list"), ({"k": None}, "NoneType"),
@@ -284,6 +286,21 @@ def test_strings_and_python_scalars_are_broadcast(make):
             buf.append(info)
     after = buf.get(2)
     assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_string_arrays_get_headroom_and_come_back_at_their_own_width(make):
+    buf = make(n_envs=2, max_len=3)
+    buf.append({"name": np.array(["ab", "c"]), "raw": np.array([b"xy", b"z"])})
+    out = buf.get(2)
+    assert out["name"].dtype == np.dtype("<U2") and out["raw"].dtype == np.dtype("S2")
+    assert out["name"].tolist() == [["ab", "ab"], ["c", "c"]]
+    buf.append({"name": np.array(["a" * 32, "d"]), "raw": np.array([b"", b""])})
+    out = buf.get(2)   # the shared column is 32 wide: a longer value than the first fits
+    assert out["name"].dtype == np.dtype("<U32") and out["raw"].tolist() == [[b"xy", b""],
+                                                                           [b"z", b""]]
+    with pytest.raises(TypeError, match="does not fit"):   # a fixed column cannot grow
+        buf.append({"name": np.array(["a" * 33, "d"]), "raw": np.array([b"", b""])})
+    assert buf.get(0) is None and buf.get(1, env_ids=[])["name"].dtype == np.dtype("<U1")
 
 
 def test_unsupported_first_values(make):

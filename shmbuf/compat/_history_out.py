@@ -56,6 +56,8 @@ class Layout:
                         arr[nan] = 0
             elif s.shape:
                 arr = arr.reshape((len(arr), n * s.shape[0]) + s.shape[1:])
+            if arr.dtype.kind in "US":
+                arr = arr.astype((arr.dtype.type, _longest(arr)))   # upstream's width
             out[s.key] = to_output(s, arr)
         return out
 
@@ -73,6 +75,11 @@ class Layout:
                 continue
             out[s.key] = to_output(s, arr, move=False)
         return out
+
+
+def _longest(arr: np.ndarray) -> int:
+    """Characters (or bytes) of the longest string in ``arr``, at least 1, as ``np.stack``'s."""
+    return max(1, int(np.char.str_len(arr).max(initial=0)))
 
 
 def to_output(s, arr, move: bool = True):

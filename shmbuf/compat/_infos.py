@@ -16,7 +16,10 @@ import numpy as np
 from .._cast import coerce
 from .._layout import validate_shape
 
-MIN_STR_WIDTH = 32  # characters (or bytes) of a string key inferred from a shorter value
+# Characters (or bytes) of a string key inferred from shorter values.  A shared
+# column has one fixed width, so a later, longer string cannot widen it in place;
+# ``get`` still returns the width of the longest string it holds, as upstream.
+MIN_STR_WIDTH = 32
 _SCALARS = (bool, int, float, complex, str, bytes, np.generic)
 
 
@@ -121,21 +124,25 @@ def _kind_error(label: str, value, n_rows: int) -> TypeError:
 def _infer(key, value, column: str, n_rows: int) -> KeySchema:
     label = _label("append", key)
     if isinstance(value, _SCALARS):
-        dtype = np.asarray(value).dtype
-        if dtype.kind in "US":
-            chars = dtype.itemsize // np.dtype(dtype.kind + "1").itemsize
-            dtype = np.dtype(f"{dtype.kind}{max(chars, MIN_STR_WIDTH)}")
-        return KeySchema(key, column, (), numpy_dtype(label, dtype)[0])
+        return KeySchema(key, column, (), _widened(numpy_dtype(label, np.asarray(value).dtype)[0]))
     if is_tensor(value):
         dtype = numpy_dtype(label, value.dtype)[0]
         shape, device = tuple(value.shape), str(value.device)
     elif isinstance(value, np.ndarray):
-        dtype, shape, device = numpy_dtype(label, value.dtype)[0], value.shape, "cpu"
+        dtype, shape, device = _widened(numpy_dtype(label, value.dtype)[0]), value.shape, "cpu"
     else:
         raise _kind_error(label, value, n_rows)
     if len(shape) == 0 or shape[0] != n_rows:
         raise ValueError(f"{label}: expected a leading env dim of {n_rows}, got shape {shape}")
     return KeySchema(key, column, tuple(shape[1:]), dtype, is_tensor(value), device)
+
+
+def _widened(dtype: np.dtype) -> np.dtype:
+    """A string dtype at least ``MIN_STR_WIDTH`` wide; any other dtype as it is."""
+    if dtype.kind not in "US":
+        return dtype
+    chars = dtype.itemsize // np.dtype(dtype.kind + "1").itemsize
+    return np.dtype((dtype.type, max(chars, MIN_STR_WIDTH)))
 
 
 def schema_from_info(info, n_rows: int) -> tuple[KeySchema, ...]:

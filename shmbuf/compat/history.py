@@ -47,10 +47,12 @@ class HistoryBuffer(Shared):
     append, and a missing or unknown key is a KeyError; only NaN is zeroed in
     blocks (upstream also clamps +-inf); ``env_ids=[]`` gives empty arrays
     instead of IndexError.  Strings and python scalars are broadcast to every
-    env as upstream, stored with a fixed-width dtype (strings at least 32
-    characters wide; a longer one later is a TypeError: declare it with
-    ``spec=``); lists, None and other objects are a TypeError.  Torch inputs
-    come back as torch tensors on the input's device; numpy as numpy.
+    env as upstream, stored with a fixed-width dtype: a shared column cannot
+    widen in place, so strings get at least 32 characters, and a longer one
+    later is a TypeError (declare the width with ``spec=``); ``get`` returns
+    the width of its longest string, as upstream (``'hello'`` gives ``<U5``).
+    Lists, None and other objects are a TypeError.  Torch inputs come back as
+    torch tensors on the input's device; numpy as numpy.
 
     Sharing: the constructor takes the segment's name (a taken name raises
     ``SegmentExistsError`` there), but the segment is sized only once the
