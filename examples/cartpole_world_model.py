@@ -111,7 +111,8 @@ def weights_of(policy):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--actors", type=int, default=4)
-    parser.add_argument("--updates", type=int, default=3000, help="world-model updates")
+    parser.add_argument("--updates", type=int, default=3000,
+                        help="world-model updates (a policy update every 10)")
     parser.add_argument("--quick", action="store_true", help="300 updates (CI)")
     parser.add_argument("--capacity", type=int, default=100_000)
     args = parser.parse_args()
@@ -147,12 +148,12 @@ def main():
                     loss.backward()
                     model_opt.step()
                     losses.append(loss.item())
-                    if update % 10 == 0:
-                        episodes = list(buf.iter_episodes(newest=16))
+                    episodes = list(buf.iter_episodes(newest=16)) if update % 10 == 0 else []
+                    if episodes:
                         reinforce(policy, policy_opt, episodes)
                         block.publish(weights_of(policy))
                         returns.append(np.mean([ep["reward"].sum() for ep in episodes]))
-                    if update % (updates // 10) == 0:
+                    if update % max(updates // 10, 1) == 0 and returns:
                         s = buf.stats()
                         print(f"update {update:5d}  world-model loss {np.mean(losses[-50:]):.4f}  "
                               f"return {returns[-1]:6.1f}  policy v{block.version():<4d} "
@@ -166,7 +167,7 @@ def main():
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
-        s = buf.stats()
+        s, returns = buf.stats(), returns or [float("nan")]
         print(f"done: {updates} updates, {s.steps_written} env steps from {args.actors} actors, "
               f"{len(buf.episodes())} episodes, policy v{block.version()}, return "
               f"{returns[0]:.1f} -> {np.mean(returns[-5:]):.1f}, world-model loss "
