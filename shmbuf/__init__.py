@@ -5,7 +5,8 @@ trainer samples zero-copy views; any process can attach by name.
 """
 from ._errors import (BufferClosedError, CorruptSegmentError, LayoutVersionError,
                       NoFreeChunkError, NoFreeWriterSlotError, NotEnoughDataError,
-                      CorruptSaveError, OnPolicyBufferFullError, OwnerAliveError,
+                      CorruptSaveError, MemoryFullError, OnPolicyBufferFullError,
+                      OwnerAliveError,
                       SampleRetryError, SaveExistsError,
                       SampleTooLargeError,
                       SchemaPendingError,
@@ -111,6 +112,7 @@ __all__ = [
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",
     "CorruptSegmentError", "LayoutVersionError", "SharedMemoryFullError",
     "BufferClosedError", "OwnerAliveError", "SaveExistsError", "CorruptSaveError", "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
-    "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "SchemaPendingError",
+    "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "MemoryFullError",
+    "SchemaPendingError",
     "WaitTimeoutError",
 ]

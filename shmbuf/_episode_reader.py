@@ -54,14 +54,29 @@ def finished(ring: Ring, finder: WindowFinder, views: dict, names: list[str],
     for lo in range(hi - held, hi, _ENTRIES_PER_READ):
         check_open()
         eps = ring.read_episodes(np.arange(lo, min(lo + _ENTRIES_PER_READ, hi)))
-        for chunk, seq, offset, length, ep in zip(eps.chunk.tolist(), eps.seq.tolist(),
-                                                  eps.offset.tolist(), eps.length.tolist(),
-                                                  eps.ep.tolist()):
+        for i in range(len(eps)):
             check_open()
-            start = int(ring.chunk_base[chunk]) + offset
-            got = read_window(finder, views, names, start, length, (chunk, seq), ep)
+            got = read_entry(ring, finder, views, names, eps, i)
             if got is not None:
                 yield got
+
+
+def one(ring: Ring, finder: WindowFinder, views: dict, names: list[str], index) -> dict | None:
+    """Finished episode number ``index`` (``Buffer.read_episode``), or None if not held."""
+    index = check_int("index", index, 0)
+    if index < ring.episodes_logged() - ring.layout.episode_slots:
+        return None   # its index entry was reused by a newer episode
+    eps = ring.read_episodes(np.array([index], np.int64))
+    return read_entry(ring, finder, views, names, eps, 0) if len(eps) else None
+
+
+def read_entry(ring: Ring, finder: WindowFinder, views: dict, names: list[str], eps,
+               i: int) -> dict | None:
+    """The columns of episode ``eps[i]`` (an ``Episodes`` entry), or None if recycled."""
+    chunk, seq = int(eps.chunk[i]), int(eps.seq[i])
+    start = int(ring.chunk_base[chunk]) + int(eps.offset[i])
+    return read_window(finder, views, names, start, int(eps.length[i]), (chunk, seq),
+                       int(eps.ep[i]))
 
 
 def read_window(finder: WindowFinder, views: dict, names: list[str], start: int, length: int,

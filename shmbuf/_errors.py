@@ -77,5 +77,9 @@ class OnPolicyBufferFullError(ShmbufError, OverflowError):
     """``IRISOnPolicyBuffer.add`` was called with ``max_steps`` steps already held."""
 
 
+class MemoryFullError(ShmbufError, OverflowError):
+    """``Memory(size=None)``, which never evicts, has no room left for the episodes appended."""
+
+
 class SchemaPendingError(ShmbufError, RuntimeError):
     """A HistoryBuffer handle was used before its constructing process fixed the schema."""

@@ -379,6 +379,29 @@ class Buffer(Shared):
         return _episode_reader.iterate(self, self._ring, self._finder, self._views, newest,
                                        include_open)
 
+    def read_episode(self, index: int) -> dict | None:
+        """Finished episode number ``index`` (an ``episodes().index``) as ``{column: (steps, ...)}``.
+
+        Read and validated like ``iter_episodes`` (copies, never torn), in
+        time independent of the number of episodes held.
+
+        Returns:
+            The episode, or None if it is no longer wholly held (recycled, or
+            its index entry reused) or has not ended yet.
+
+        Raises:
+            TypeError / ValueError: ``index`` is not an int >= 0.
+            BufferClosedError: the buffer was closed.
+
+        Example:
+            >>> eps = buf.episodes(newest=1)
+            >>> last = buf.read_episode(int(eps.index[-1]))
+        """
+        from . import _episode_reader
+
+        self._check_open()
+        return _episode_reader.one(self._ring, self._finder, self._views, list(self.spec), index)
+
     # -- waiting and counters ---------------------------------------------------
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
         """Block until at least ``min_steps`` steps are live; return the count.

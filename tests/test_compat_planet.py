@@ -245,6 +245,96 @@ def test_episodes_longer_than_the_hint_leave_early_but_never_half(memories):
     assert {k for _, k, _ in found} == {4, 5}
 
 
+# -- Memory() and the deque views -------------------------------------------------------
+
+def test_memory_without_size_keeps_every_episode_until_its_store_is_full():
+    memory = Memory(capacity=40, obs_shape=OBS_SHAPE, action_size=ACTION_SIZE)  # chunks of 1
+    try:
+        assert memory.max_episodes is None and memory.episodes.maxlen is None
+        for k in range(3):
+            memory.append(record(0, k, length=10))                # 11 rows each: 33 of 40
+        before = memory.buffer.stats().steps_written
+        with pytest.raises(shmbuf.MemoryFullError, match="size=None.*room for 7 more.*need 17"):
+            memory.append([record(0, 3, length=5), record(0, 4, length=10)])
+        assert isinstance(shmbuf.MemoryFullError("x"), OverflowError)
+        assert memory.buffer.stats().steps_written == before      # nothing written
+        assert list(memory.eps_lengths) == [10, 10, 10] and memory.size == 30
+        memory.append(record(0, 5, length=6))                     # 7 rows still fit
+        assert len(memory.episodes) == 4 and memory.buffer.stats().oldest_step == 0  # no eviction
+        found = draws(memory, 200, 5, length_of=lambda w, k: np.where(k == 5, 6, 10))
+        assert {k for _, k, _ in found} == {0, 1, 2, 5}
+        state = memory.state_dict()
+        with Memory(capacity=30, obs_shape=OBS_SHAPE, action_size=ACTION_SIZE) as small_one:
+            small_one.append(record(0, 9, length=2))
+            with pytest.raises(shmbuf.MemoryFullError):           # 40 rows cannot fit in 30
+                small_one.load_state_dict(state)
+            assert list(small_one.eps_lengths) == [2]             # nothing changed
+        with Memory(capacity=40) as fresh:                         # takes the checkpoint's schema
+            fresh.load_state_dict(state)
+            assert list(fresh.eps_lengths) == [10, 10, 10, 6]
+    finally:
+        memory.close()
+
+
+def test_memory_with_no_arguments_sizes_its_store_at_the_first_append():
+    memory = Memory()
+    try:
+        assert memory.capacity is None and "unbounded" in repr(memory)
+        assert len(memory) == 0 and list(memory.episodes) == [] and memory.size == 0
+        memory.append(record(0, 0))
+        row = 4 * 6 + 4 * 3 + 4 + 1 + 8   # x (2, 3), u (3,), r f32, t bool, length i64
+        assert row * 10**6 < 2**30 and memory.capacity == 10**6   # at most a million rows
+        assert memory.buffer.capacity == 10**6
+        with Memory.attach(memory.name) as other:                 # workers see the same bounds
+            assert other.max_episodes is None and other.capacity == 10**6
+            other.append(record(1, 0))
+        assert list(memory.eps_lengths) == [episode_length(0, 0), episode_length(1, 0)]
+    finally:
+        memory.close()
+    with Memory() as lazy:   # (3, 64, 64) float32 frames: 1 GiB of rows, sized without creating
+        frames = lazy._capacity({"x": ((3, 64, 64), np.float32), "u": ((2,), np.float32)})[0]
+    assert frames == 2**30 // (3 * 64 * 64 * 4 + 8) == 21841
+
+
+def test_episodes_and_eps_lengths_read_like_upstreams_deques(memories):
+    memory = small(memories, size=3)
+    assert memory.episodes.maxlen == memory.eps_lengths.maxlen == 3
+    assert len(memory.episodes) == 0 and list(memory.eps_lengths) == []
+    with pytest.raises(IndexError):
+        memory.episodes[0]
+    for k in range(5):
+        memory.append(record(0, k))
+    lengths = [episode_length(0, k) for k in range(2, 5)]
+    assert len(memory.episodes) == len(memory.eps_lengths) == 3
+    assert list(memory.eps_lengths) == lengths and memory.size == sum(lengths)
+    assert memory.eps_lengths[-1] == lengths[-1] and memory.eps_lengths[0] == lengths[0]
+    eps = list(memory.episodes)
+    assert [ep.size for ep in eps] == lengths and all(ep.terminated for ep in eps)
+    for k, ep in zip(range(2, 5), eps):   # the stored copy is the recorded episode
+        original = record(0, k)
+        for field in "xurt":
+            np.testing.assert_array_equal(getattr(ep, field), np.asarray(
+                getattr(original, field), ep.x.dtype if field == "x" else None).reshape(
+                    getattr(ep, field).shape))
+    np.testing.assert_array_equal(memory.episodes[-1].x, eps[-1].x)
+    np.testing.assert_array_equal(memory.episodes[-3].u, eps[0].u)
+    with pytest.raises(IndexError):
+        memory.episodes[3]
+    with pytest.raises(IndexError):
+        memory.eps_lengths[-4]
+    with pytest.raises(TypeError):
+        memory.episodes[0:2]   # deques do not slice either
+    with pytest.raises(AttributeError):
+        memory.episodes.append(eps[0])   # read-only
+    with pytest.raises(AttributeError):
+        memory.eps_lengths = []
+    other = Memory.attach(memory.name)
+    try:
+        assert list(other.eps_lengths) == lengths and other.episodes.maxlen == 3
+    finally:
+        other.close()
+
+
 # -- the memory guard ------------------------------------------------------------------
 
 def test_memory_guard_default_is_200_mib_and_raises_before_reading(memories):

@@ -7,7 +7,7 @@ EXPORTS = [
     "Buffer", "BufferClosedError", "CorruptSaveError", "CorruptSegmentError",
     "DiamondReplayBuffer", "Episode",
     "HistoryBuffer", "IRISOnPolicyBuffer", "IRISReplayBuffer", "LayoutVersionError", "Memory",
-    "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
+    "MemoryFullError", "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
     "OnPolicyBufferFullError", "OwnerAliveError", "ReplayBuffer", "SampleRetryError",
     "SampleTooLargeError", "SaveExistsError", "Saver",
     "SchemaPendingError", "SegmentExistsError", "SegmentNotFoundError",

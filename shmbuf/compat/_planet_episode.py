@@ -1,12 +1,16 @@
 """PlaNet's ``Episode``: recorded step by step in one process, stacked, laid out as rows.
 
-Besides the class, pure functions for ``Memory``: the checks of what
+Besides the class, the read-only views ``Memory.episodes`` and
+``Memory.eps_lengths`` (upstream's deques, read from the core's episode
+index), and pure functions for ``Memory``: the checks of what
 ``Episode.append`` records (numbers, scalars) and of the episodes that
 ``Memory.append`` takes (``episode_list``); the rows ``Memory`` stores for an
 episode (``episode_rows``); and its checkpoint format, the core's snapshot
 cut down to the held episodes (``held_rows``, ``runs_of``, ``check_schema``).
 """
 from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 
@@ -116,6 +120,75 @@ class Episode:
     def __repr__(self):
         state = "terminated" if self._terminated else "recording"
         return f"<shmbuf Episode size={self._size} {state}>"
+
+
+def stored_episode(rows: dict) -> Episode:
+    """A terminated ``Episode`` from the ``T + 1`` rows ``Memory`` stored for it."""
+    episode = Episode()
+    episode.x = rows["x"]
+    episode.u, episode.r, episode.t = rows["u"][:-1], rows["r"][:-1], rows["t"][:-1]
+    episode._size, episode._terminated = len(rows["x"]) - 1, True
+    return episode
+
+
+class _HeldView(Sequence):
+    """What both views share: ``maxlen``, ``len`` and a deque-like repr, read-only."""
+
+    def __init__(self, memory):
+        self._memory = memory
+
+    @property
+    def maxlen(self) -> int | None:
+        """The Memory's ``size`` (None: no bound), as ``deque.maxlen``."""
+        return self._memory.max_episodes
+
+    def __len__(self) -> int:
+        return len(self._memory)
+
+    def _position(self, i, n: int) -> int:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise TypeError(f"sequence index must be integer, not {type(i).__name__!r}")
+        if not -n <= i < n:
+            raise IndexError(f"{type(self).__name__} index {i} out of range for {n} episodes")
+        return int(i) % n
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({list(self)!r}, maxlen={self.maxlen})"
+
+
+class EpisodesView(_HeldView):
+    """``Memory.episodes``: the held episodes as ``Episode`` copies, oldest first."""
+
+    def __getitem__(self, i) -> Episode:
+        held = self._memory._held()
+        i = self._position(i, 0 if held is None else len(held))
+        rows = self._memory.buffer.read_episode(int(held.index[i]))
+        if rows is None:
+            raise IndexError(f"episode {i} left the Memory while it was read")
+        return stored_episode(rows)
+
+    def __iter__(self) -> Iterator[Episode]:
+        memory = self._memory
+        if memory._held() is None:
+            return iter(())
+        return map(stored_episode, memory.buffer.iter_episodes(newest=memory.max_episodes))
+
+    def __repr__(self) -> str:
+        return f"EpisodesView(<{len(self)} episodes>, maxlen={self.maxlen})"
+
+
+class LengthsView(_HeldView):
+    """``Memory.eps_lengths``: each held episode's ``T``, oldest first."""
+
+    def _lengths(self) -> list[int]:
+        return (self._memory._held_rows() - 1).tolist()   # T steps are T + 1 rows
+
+    def __getitem__(self, i) -> int:
+        lengths = self._lengths()
+        return lengths[self._position(i, len(lengths))]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._lengths())
 
 
 def episode_rows(i: int, episode: Episode, spec: dict) -> dict:

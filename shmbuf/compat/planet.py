@@ -8,7 +8,8 @@ episodes and the core's episode index lists it.  The held episodes are the
 newest ``size`` of that index (``Buffer.episodes``), and ``sample`` is the
 core's per-episode draw (``uniform="episodes"``).  One hidden column repeats
 the episode's ``T`` on each of its rows, for ``sample``'s ``lengths``.
-``Episode`` itself lives in ``_planet_episode`` (re-exported here).
+``Episode`` and the read-only ``episodes`` / ``eps_lengths`` views live in
+``_planet_episode`` (``Episode`` is re-exported here).
 """
 from __future__ import annotations
 
@@ -17,16 +18,19 @@ import threading
 import numpy as np
 
 from .._args import check_int
-from .._errors import NotEnoughDataError, SampleTooLargeError
+from .._errors import MemoryFullError, NotEnoughDataError, SampleTooLargeError
+from .._layout import default_episode_slots
 from ._base import Facade, register, to_numpy, to_torch
-from ._planet_episode import (Episode, check_schema, empty_snapshot, episode_list, episode_rows,
-                              held_rows, runs_of, storage_dtype)
+from ._planet_episode import (Episode, EpisodesView, LengthsView, check_schema, empty_snapshot,
+                              episode_list, episode_rows, held_rows, runs_of, storage_dtype)
 from ._transitions import check_shape
 
 __all__ = ["Episode", "Memory"]
 
 DEFAULT_MAX_SAMPLE_BYTES = 200 * 2**20   # the "200 MiB threshold" of the TorchWM docs
 DEFAULT_STEPS_PER_EPISODE = 1000         # DeepMind Control's episode length
+UNBOUNDED_BYTES = 2**30                  # Memory(size=None): a 1 GiB store ...
+UNBOUNDED_MAX_ROWS = 1_000_000           # ... of at most a million rows
 
 
 @register
@@ -40,14 +44,26 @@ class Memory(Facade):
     ``size`` *property* is the number of transitions they hold; the
     constructor's ``size`` is ``max_episodes``.  An episode is held once its
     append has finished; episodes leave in the order their appends finished,
-    across all processes.
+    across all processes.  ``episodes`` and ``eps_lengths`` are read-only
+    views that read like upstream's deques (``maxlen``, ``len``, iteration,
+    indexing), from the core's episode index.
 
     The shared store is allocated up front with ``capacity = ceil(1.25 *
     size * (steps_per_episode + 1))`` rows (an episode of T steps takes T+1
     rows; the quarter on top absorbs chunk granularity and concurrent
-    writers).  Longer episodes are accepted up to ``capacity - chunk_size``
-    rows, but then the store may recycle the oldest episodes' rows before
-    ``size`` episodes are held; a partly recycled episode is no longer held.
+    writers), or ``capacity=`` rows.  Longer episodes are accepted up to
+    ``capacity - chunk_size`` rows, but then the store may recycle the oldest
+    episodes' rows before ``size`` episodes are held; a partly recycled
+    episode is no longer held.
+
+    ``Memory()`` (``size=None``, upstream's default: no bound on episodes)
+    never evicts.  A shared segment cannot grow, so its store is 1 GiB (at
+    most a million rows; ``capacity=`` to choose), sized at the first append
+    from the row size, e.g. 21,800 steps of ``(3, 64, 64)`` float32 frames,
+    and an append that does not fit raises ``MemoryFullError`` and writes
+    nothing.  The room is checked before writing; appends from several
+    processes at the same instant share it without a lock, so size it with
+    some headroom when many processes append.
 
     Observation and action shapes are fixed: ``obs_shape`` / ``action_size``,
     or else those of the first appended episode, when the shared segment is
@@ -55,7 +71,9 @@ class Memory(Facade):
     Rewards are stored as float32 and terminals as bool.
 
     Args:
-        size: the most episodes held.
+        size: the most episodes held (FIFO); None: every episode, until full.
+        capacity: rows of the shared store; default from ``size`` and
+            ``steps_per_episode``, or 1 GiB worth when ``size`` is None.
         steps_per_episode: the longest episode expected, in appended steps
             (1000, DeepMind Control's episode, by default; divide by your
             action repeat).  Sizes the store.
@@ -77,6 +95,7 @@ class Memory(Facade):
         ...                 action_size=6)
         >>> memory.append([episode])
         >>> [x, u, r, t], lengths = memory.sample(batch_size=32, tracelen=50)
+        >>> memory.episodes.maxlen, len(memory.episodes), list(memory.eps_lengths)
     """
 
     FACADE = "planet.Memory"
@@ -85,10 +104,14 @@ class Memory(Facade):
     _schema = None     # constructor's shapes and dtypes, until the segment exists
     _pending = None    # constructor's name and seed, until the segment exists
 
-    def __init__(self, size, *, steps_per_episode=DEFAULT_STEPS_PER_EPISODE, obs_shape=None,
-                 action_size=None, obs_dtype=np.float32, action_dtype=np.float32,
-                 max_sample_bytes=DEFAULT_MAX_SAMPLE_BYTES, name=None, seed=None):
-        params = {"size": check_int("Memory(size=...)", size),
+    def __init__(self, size: int | None = None, *, capacity: int | None = None,
+                 steps_per_episode: int = DEFAULT_STEPS_PER_EPISODE, obs_shape=None,
+                 action_size: int | None = None, obs_dtype=np.float32, action_dtype=np.float32,
+                 max_sample_bytes: int = DEFAULT_MAX_SAMPLE_BYTES, name: str | None = None,
+                 seed=None):
+        params = {"size": None if size is None else check_int("Memory(size=...)", size),
+                  "capacity": None if capacity is None else check_int("Memory(capacity=...)",
+                                                                      capacity, 2),
                   "steps_per_episode": check_int("Memory(steps_per_episode=...)", steps_per_episode),
                   "max_sample_bytes": check_int("Memory(max_sample_bytes=...)", max_sample_bytes)}
         if obs_shape is not None:
@@ -118,19 +141,31 @@ class Memory(Facade):
                 "r": ((), np.dtype(np.float32)), "t": ((), np.dtype(np.bool_)),
                 "length": ((), np.dtype(np.int64))}
 
-    def _capacity(self) -> tuple[int, int]:
-        """(rows, chunk_size): ``size`` episodes of ``steps_per_episode`` steps, plus 25%.
+    def _capacity(self, spec: dict) -> tuple[int, int]:
+        """(rows, chunk_size): ``capacity=``, else ``size`` episodes of
+        ``steps_per_episode`` steps plus 25%, else (``size=None``) 1 GiB of ``spec``'s rows.
 
         Chunks are at most 1/64 of the store, so the headroom is at least 16
         chunks: room for the partly filled chunks of a dozen concurrent writers.
         """
-        rows = -(-self._params["size"] * (self._params["steps_per_episode"] + 1) * 5 // 4)
+        p = self._params
+        rows = p.get("capacity")
+        if rows is None and p["size"] is not None:
+            rows = -(-p["size"] * (p["steps_per_episode"] + 1) * 5 // 4)
+        elif rows is None:
+            row = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                      for shape, dtype in spec.values())
+            rows = max(64, min(UNBOUNDED_MAX_ROWS, UNBOUNDED_BYTES // row))
         return rows, max(1, min(512, rows // 64))
 
     def _materialize(self, spec: dict) -> None:
-        capacity, chunk = self._capacity()
+        capacity, chunk = self._capacity(spec)
+        self._params["capacity"] = capacity   # attachers read it from the header
+        size = self._params["size"]   # index every held episode (each takes >= 2 rows)
+        slots = capacity // 2 + 1 if size is None else max(size, default_episode_slots(capacity))
         self._create(spec, capacity, self._params, name=self._pending["name"],
-                     seed=self._pending["seed"], chunk_size=chunk, done_key=None)
+                     seed=self._pending["seed"], chunk_size=chunk, done_key=None,
+                     episode_slots=slots)
 
     @classmethod
     def attach(cls, name: str, *, seed=None, own: bool = False, handle_signals=None) -> "Memory":
@@ -149,9 +184,24 @@ class Memory(Facade):
 
     # -- sizes ------------------------------------------------------------------
     @property
-    def max_episodes(self) -> int:
-        """The constructor's ``size``: the most episodes held."""
+    def max_episodes(self) -> int | None:
+        """The constructor's ``size``: the most episodes held (None: no bound, never evicts)."""
         return self._params["size"]
+
+    @property
+    def episodes(self) -> EpisodesView:
+        """The held episodes, oldest first, as terminated ``Episode`` copies (read-only).
+
+        Reads like upstream's ``deque(maxlen=size)``: ``memory.episodes.maxlen``,
+        ``len(memory.episodes)``, ``memory.episodes[-1]``, iteration.  Each
+        item is read from shared memory when asked for.
+        """
+        return EpisodesView(self)
+
+    @property
+    def eps_lengths(self) -> LengthsView:
+        """Each held episode's length ``T`` (appended steps), oldest first (read-only deque-like)."""
+        return LengthsView(self)
 
     @property
     def steps_per_episode(self) -> int:
@@ -159,9 +209,15 @@ class Memory(Facade):
         return self._params["steps_per_episode"]
 
     @property
-    def capacity(self) -> int:
-        """Rows of the shared store (an episode of T steps takes T+1)."""
-        return self._capacity()[0]
+    def capacity(self) -> int | None:
+        """Rows of the shared store (an episode of T steps takes T+1).
+
+        None for ``Memory()`` before its first append: the row size decides it.
+        """
+        if self.buffer is not None:
+            return self.buffer.capacity
+        p = self._params
+        return p.get("capacity") if p["size"] is None else self._capacity({})[0]
 
     @property
     def max_sample_bytes(self) -> int:
@@ -184,10 +240,13 @@ class Memory(Facade):
 
     def _held_rows(self) -> np.ndarray:
         """Rows of each held episode (the newest ``size`` the core indexed), oldest first."""
+        held = self._held()
+        return np.empty(0, np.int64) if held is None else held.length
+
+    def _held(self):
+        """The core's index entries of the held episodes, oldest first; None before any."""
         self._check_open()
-        if self.buffer is None:
-            return np.empty(0, np.int64)
-        return self.buffer.episodes(newest=self.max_episodes).length
+        return None if self.buffer is None else self.buffer.episodes(newest=self.max_episodes)
 
     # -- writing ------------------------------------------------------------------
     def append(self, episodes) -> None:
@@ -222,7 +281,20 @@ class Memory(Facade):
                 self._materialize(spec)
             elif self.buffer.spec != spec:  # another thread created it meanwhile
                 runs = [self._run(i, ep, self.buffer.spec) for i, ep in enumerate(episodes)]
+            if self.max_episodes is None:
+                stats = self.buffer.stats()   # free chunks; the writer's open one not counted
+                self._check_room(runs, (stats.n_chunks - stats.chunks_in_use) * stats.chunk_size)
             self._write(runs)
+
+    def _check_room(self, runs, free: int) -> None:
+        """``Memory(size=None)`` never evicts: refuse runs that need more than ``free`` rows."""
+        need = sum(len(run["x"]) for run in runs)
+        if need > free:
+            raise MemoryFullError(
+                f"Memory {self.name!r} keeps every episode (size=None) and its store of "
+                f"{self.capacity} rows has room for {free} more, but the episodes need {need} "
+                "(T + 1 rows for T steps); nothing was written. Create it with a larger "
+                "capacity=, or with size= to keep only the newest episodes")
 
     def _write(self, runs) -> None:
         """Each run's rows, then ``end_episode``: the core indexes the episode there."""
@@ -230,9 +302,8 @@ class Memory(Facade):
         try:
             for run in runs:
                 steps = len(run["x"]) - 1
-                for i in range(steps + 1):
-                    writer.add(x=run["x"][i, ...], u=run["u"][i, ...], r=run["r"][i, ...],
-                               t=run["t"][i, ...], length=steps)
+                writer.extend(x=run["x"], u=run["u"], r=run["r"], t=run["t"],
+                              length=np.full(steps + 1, steps, np.int64))
                 writer.end_episode()
         except BaseException:
             self._drop_writer()   # its stream ends unfinished: a cut-short run is never held
@@ -252,7 +323,7 @@ class Memory(Facade):
     def _run(self, i: int, episode: Episode, spec: dict) -> dict:
         """The episode's T+1 rows, checked and cast to the schema (final row: x only)."""
         steps = episode.size
-        capacity, chunk = self._capacity()
+        capacity, chunk = self._capacity(spec)
         if steps + 1 > capacity - chunk:
             raise ValueError(
                 f"Memory.append(episodes[{i}]): an episode of {steps} steps needs {steps + 1} "
@@ -376,6 +447,9 @@ class Memory(Facade):
             if self.buffer is None:
                 self._materialize(spec)
             self._drop_writer()   # its open chunk would otherwise survive the clear
+            if self.max_episodes is None:   # all must fit once cleared (open chunks stay)
+                stats = self.buffer.stats()
+                self._check_room(runs, (stats.n_chunks - stats.writers) * stats.chunk_size)
             self.buffer.restore(empty_snapshot(self.buffer.spec))
             self._write(runs)
 
@@ -400,5 +474,6 @@ class Memory(Facade):
     def __repr__(self):
         if self._closed:
             return f"<shmbuf PlaNet Memory {self.name!r} closed>"
-        return (f"<shmbuf PlaNet Memory {self.name!r} episodes={len(self)}/"
-                f"{self.max_episodes} capacity={self.capacity}>")
+        bound = "unbounded" if self.max_episodes is None else self.max_episodes
+        return (f"<shmbuf PlaNet Memory {self.name!r} episodes={len(self)}/{bound} "
+                f"capacity={self.capacity}>")
