@@ -47,6 +47,49 @@ def test_train_prefetch_trains_on_spawned_workers():
     assert lines[-1].startswith("done: 25 training steps") and "exit codes [0, 0]" in lines[-1]
 
 
+# One example per seed facade: (script, arguments, the lines its output must hold).
+FACADE_EXAMPLES = {
+    "dreamer_replay.py": (["--workers", "2", "--steps", "300"], [
+        "sample(): obs (20, 16, 3, 64, 64) uint8, act (20, 16, 6), rew (20, 16), "
+        "term (20, 16) float32",
+        "done: 600 steps from 2 workers, 6 episodes, exit codes [0, 0]"]),
+    "planet_memory.py": (["--workers", "2", "--episodes", "5"], [
+        "sample(16, tracelen=20): x (16, 21, 3, 16, 16), u (16, 20, 2), r (16, 20), "
+        "t (16, 20), lengths (16,)",
+        "memory.episodes: maxlen 8, len 8; eps_lengths [",
+        "done: 8 episodes held of 10 appended, "]),
+    "iris_buffers.py": (["--workers", "2", "--episodes", "3"], [
+        "sample_sequence(): obs (8, 11, 3, 32, 32), act (8, 10, 4), rew (8, 10), term (8, 10)",
+        "sample_single(): obs (3, 32, 32), act (4,)",
+        "done: 240 steps of 2000 from 2 workers, exit codes [0, 0]"]),
+    "diamond_dataset.py": (["--steps", "200"], [
+        "size 200, position 200, is_ready(200) True",
+        "loader batch: action_seq (8, 5, 2), actions (8, 5, 2), burn_in_actions (8, 4, 2), "
+        "burn_in_obs (8, 4, 3, 32, 32), dones (8, 5), next_obs (8, 3, 32, 32), "
+        "obs_seq (8, 5, 3, 32, 32), rewards (8, 5)",
+        "sample(32): obs (32, 3, 32, 32), dones torch.bool",
+        "done: 200 steps, batches of 8 sequences from 1 loader workers, checkpoint restored, "
+        "exit code 0"]),
+    "history_planner.py": (["--steps", "6"], [
+        "get(3): action (4, 2, 4) float32, pixels (4, 3, 16, 16, 3) uint8, task (4, 3) <U7",
+        "env 0 frames at steps [1, 3, 5], blocks [[2.0, 3.0], [4.0, 5.0]]",
+        "done: 0 min entries, num_strided [0, 3, 3, 3], re-planned 2 envs, "
+        "exit codes [0, 0]"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(FACADE_EXAMPLES))
+def test_facade_example_runs_and_prints_the_documented_shapes(script):
+    args, expected = FACADE_EXAMPLES[script]
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    for want in expected:
+        assert any(line.startswith(want) for line in lines), (want, lines)
+
+
 def test_every_example_has_a_test():
-    tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py"}
+    tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py", *FACADE_EXAMPLES}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
