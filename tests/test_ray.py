@@ -29,7 +29,14 @@ TAG = f"shmbuf-ray-test-{os.getpid()}"
 os.environ["SHMBUF_RAY_TEST_TAG"] = TAG        # inherited by every node and worker
 
 import ray  # noqa: E402
+from ray._private import ray_constants  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
+
+# Set before ray was first imported, or the driver would resolve this host's interface
+# address and dial it (the nodes listen on 127.0.0.1 only): refuse to run instead.
+assert not ray_constants.ENABLE_RAY_CLUSTER, (
+    "ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set; the driver would "
+    "not stay on loopback")
 
 import shmbuf  # noqa: E402
 import shmbuf.ray as sray  # noqa: E402

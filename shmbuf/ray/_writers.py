@@ -23,7 +23,7 @@ import numpy as np
 import ray
 
 from shmbuf import BufferClosedError
-from shmbuf._cast import coerce
+from shmbuf._cast import coerce, scalar_fast_path
 from shmbuf.ray._errors import ShardLostError, is_loss
 
 _OWNER_CHECK_EVERY = 1024  # local steps between checks that the shard still lives
@@ -80,11 +80,21 @@ class LocalWriter:
         self.close()
 
 
+def _fit(label: str, value, dtype: np.dtype, shape: tuple):
+    """``value`` as it may be stored: the core writer's checks, with its two fast paths."""
+    if type(value) is np.ndarray and value.dtype == dtype and value.shape == shape:
+        return value
+    if not shape and scalar_fast_path(value, dtype):
+        return value
+    return coerce(label, value, dtype, shape)
+
+
 class _Block:
     """Staging arrays of ``n`` streams x ``rows`` steps, and the cuts among them."""
 
     def __init__(self, cols: list, n: int, rows: int):
         self.arrays = {name: np.empty((n, rows) + shape, dtype) for name, shape, dtype in cols}
+        self.first = [a[0] for a in self.arrays.values()]    # stream 0's rows, column order
         self.n, self.rows, self.fill, self.cuts = n, rows, 0, []
 
     def payload(self) -> dict:
@@ -126,11 +136,12 @@ class ShippingWriter:
     def add(self, **columns) -> None:
         """Append one step to this writer's stream (shipped with its block)."""
         self._check(columns, "add")
-        values = {name: coerce(f"add({name}=...)", columns[name], dtype, shape)
-                  for name, shape, dtype in self._cols}
+        values = [_fit(f"add({name}=...)", columns[name], dtype, shape)
+                  for name, shape, dtype in self._cols]    # all checked before any is copied
         block = self._block("solo", 1)
-        for name, v in values.items():
-            block.arrays[name][0, block.fill] = v
+        fill = block.fill
+        for view, v in zip(block.first, values):
+            view[fill] = v
         self._advance(block, "solo", 1)
 
     def add_batch(self, **columns) -> None:
@@ -146,7 +157,7 @@ class ShippingWriter:
         if old is not None and old.n != n:
             raise ValueError(f"add_batch({first}=...): this writer has {old.n} env streams, "
                              f"got {n} rows; use one writer per vectorised env")
-        values = {name: coerce(f"add_batch({name}=...)", columns[name], dtype, (n,) + shape_)
+        values = {name: _fit(f"add_batch({name}=...)", columns[name], dtype, (n,) + shape_)
                   for name, shape_, dtype in self._cols}
         block = self._block("batch", n)
         for name, v in values.items():
