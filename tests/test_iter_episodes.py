@@ -101,6 +101,32 @@ def test_bad_input_and_closing(make_buffer):
         buf.iter_episodes()
 
 
+def test_read_episode_reads_one_entry_of_the_index(make_buffer):
+    buf = make_buffer(SPEC, 512, chunk_size=16, episode_slots=8)
+    with buf.writer() as w:
+        for step in episode_steps(0, 200, 20):    # episodes 0..9; the index holds 8
+            w.add(**step)
+        eps = buf.episodes()
+        assert eps.index.tolist() == list(range(2, 10))
+        for i, ep in zip(eps.index.tolist(), buf.iter_episodes()):
+            got = buf.read_episode(i)
+            _check(got)
+            assert _ident(got) == _ident(ep) == (0, i, 20)
+            assert all(np.array_equal(got[k], ep[k]) for k in ep)
+        assert buf.read_episode(1) is None        # its index entry was reused
+        assert buf.read_episode(10) is None       # not ended yet
+        for step in episode_steps(1, 700, 1000):  # recycles the chunks of episodes 0..9
+            w.add(**step)
+        assert buf.read_episode(9) is None        # recycled: never returned torn
+    with pytest.raises(ValueError, match="index"):
+        buf.read_episode(-1)
+    with pytest.raises(TypeError, match="index"):
+        buf.read_episode(1.5)
+    buf.close()
+    with pytest.raises(shmbuf.BufferClosedError):
+        buf.read_episode(2)
+
+
 @pytest.mark.slow
 def test_concurrent_writers_never_give_a_torn_episode(make_buffer):
     buf = make_buffer(SPEC, 1024, chunk_size=8)
