@@ -240,7 +240,8 @@ fence_seq_cst(PyObject *self, PyObject *unused)
  *   - returns -1 having written nothing: a column is missing or unknown, a
  *     value is not an exact ndarray (or numpy scalar) of its column's dtype
  *     and shape, nor a Python bool/int/float that the column holds exactly
- *     (_cast.scalar_fast_path's rules), or a stream's chunk is full.  The
+ *     (_cast.scalar_fast_path's rules), a stream's chunk is full, or the
+ *     buffer's closed word is set (the Python path decides what that means).  The
  *     caller then takes the Python path, which makes every check and raises
  *     its errors, or claims the next chunk;
  *   - or copies every value into the stream's next row, stores the row's
@@ -272,6 +273,7 @@ typedef struct {
     npy_intp capacity;
     int64_t *fill, *base, *rows, *count_off, *ep, *left;
     Py_ssize_t steps_off;    /* the slot's step counter */
+    Py_ssize_t closed_off;   /* the header's closed word */
 } Appender;
 
 static void
@@ -323,17 +325,17 @@ scalar_kind(PyArray_Descr *d)
 
 /*
  * Appender(mm, names, views, ep_view, done, fill, base, rows, count_off, ep,
- *          left, steps_off)
+ *          left, steps_off, closed_off)
  */
 static PyObject *
 appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     PyObject *names, *views, *ep_view, *fill, *base, *rows, *count_off, *ep, *left, *mm;
     int done;
-    Py_ssize_t steps_off;
-    if (!PyArg_ParseTuple(args, "OO!O!OiOOOOOOn", &mm, &PyTuple_Type, &names, &PyTuple_Type,
+    Py_ssize_t steps_off, closed_off;
+    if (!PyArg_ParseTuple(args, "OO!O!OiOOOOOOnn", &mm, &PyTuple_Type, &names, &PyTuple_Type,
                           &views, &ep_view, &done, &fill, &base, &rows, &count_off, &ep,
-                          &left, &steps_off))
+                          &left, &steps_off, &closed_off))
         return NULL;
     Appender *self = (Appender *)type->tp_alloc(type, 0);
     if (!self)
@@ -359,11 +361,13 @@ appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         || !(self->ep_col = array_data(ep_view, NPY_INT64, 1, "ep_view")))
         goto fail;
     self->capacity = PyArray_DIM((PyArrayObject *)ep_view, 0);
-    if (steps_off < 0 || steps_off % 8 || steps_off > self->mm.len - 8) {
-        PyErr_SetString(PyExc_ValueError, "Appender: steps_off is not a word of the mapping");
+    if (steps_off < 0 || steps_off % 8 || steps_off > self->mm.len - 8
+        || closed_off < 0 || closed_off % 8 || closed_off > self->mm.len - 8) {
+        PyErr_SetString(PyExc_ValueError, "Appender: an offset is not a word of the mapping");
         goto fail;
     }
     self->steps_off = steps_off;
+    self->closed_off = closed_off;
     self->done = done;
     self->cols = PyMem_Calloc(ncols ? ncols : 1, sizeof(Col));
     if (!self->cols) {
@@ -572,7 +576,9 @@ static PyObject *
 append(Appender *self, PyObject *columns, int batch)
 {
     if (!PyDict_CheckExact(columns) || PyDict_GET_SIZE(columns) != self->ncols
-        || self->ncols > MAX_FAST_COLUMNS)
+        || self->ncols > MAX_FAST_COLUMNS
+        || atomic_load_explicit((atomic_u64 *)((char *)self->mm.buf + self->closed_off),
+                                memory_order_relaxed))
         return PyLong_FromLong(-1);
     npy_intp n = batch ? self->n : 1;
     const char *src[MAX_FAST_COLUMNS];

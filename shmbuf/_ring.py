@@ -638,7 +638,7 @@ class Streams:
         try:
             return atomic.Appender(self.ring.mm, names, views, ep_view, done, self.fill,
                                    self.base, self.rows, self.count_off, self.ep, self.left,
-                                   self.slot.steps_off)
+                                   self.slot.steps_off, _CLOSED)
         except ValueError:
             return None
 

@@ -111,17 +111,19 @@ class Writer:
             >>> w = buf.writer()
             >>> w.add(obs=frame, action=a, reward=1.0, done=False)
         """
-        self._check()
         fast = self._fast_add
-        if fast is not None:
-            # Values that already fit go in C; anything else (a cast, a bad
-            # value, a full chunk) returns -1 unwritten and takes this path.
+        if fast is not None and self._forks == _forks[0]:
+            # Values that already fit go in C, which also checks the closed
+            # word; anything else (a cast, a bad value, a full chunk, a closed
+            # buffer) returns -1 unwritten and takes the Python path below.
+            self._check_open()
             ended = fast(columns)
             if ended >= 0:
                 self._steps += 1
                 if ended:
                     self._solo.end(0, True)
                 return
+        self._check()
         self._check_names(columns, "add")
         values = self._coerce_all(columns, (), "add")
         s = self._solo
@@ -149,9 +151,9 @@ class Writer:
         Example:
             >>> w.add_batch(obs=frames, action=acts, reward=rews, done=dones)  # (16, ...)
         """
-        self._check()
         fast = self._fast_batch
-        if fast is not None:
+        if fast is not None and self._forks == _forks[0]:
+            self._check_open()
             ended = fast(columns)
             if ended >= 0:
                 self._steps += len(self._batch)
@@ -159,6 +161,7 @@ class Writer:
                     for i in np.flatnonzero(columns[self._done]):
                         self._batch.end(int(i), True)
                 return
+        self._check()
         self._check_names(columns, "add_batch")
         first_name = self._cols[0][0]
         shape = np.shape(columns[first_name])
@@ -303,6 +306,7 @@ class Writer:
         if self._closed:
             return
         self._closed = True
+        self._fast_add = self._fast_batch = None
         if self._pid != os.getpid():
             return
         try:
