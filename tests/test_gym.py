@@ -193,6 +193,19 @@ def test_single_env_episodes_match_record_episode_statistics(make_buffer, env_id
         assert ends.terminal.all() and all(ep["done"][-1] for ep in episodes)
 
 
+def test_statistics_inside_the_recorder_see_the_same_episodes(make_buffer):
+    env = RecordEpisodeStatistics(gym.make("CartPole-v1"))
+    buf = make_buffer(spec_for(env), capacity=2048)
+    rec = RecordEpisodes(env, buf)
+    rec.action_space.seed(0)
+    rec.reset(seed=0)
+    while len(env.length_queue) < 8:
+        if any(rec.step(rec.action_space.sample())[2:4]):
+            rec.reset()
+    assert summary(read_episodes(buf)) == sorted(
+        (int(n), round(float(r), 3)) for n, r in zip(env.length_queue, env.return_queue))
+
+
 def test_truncation_cuts_without_a_terminal(make_buffer):
     env = gym.make("CartPole-v1", max_episode_steps=5)
     buf = make_buffer(spec_for(env), capacity=256)
