@@ -31,13 +31,14 @@ FORMAT = "shmbuf-steps-v1"
 
 
 def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
-              empty: Callable[[str, int], np.ndarray]) -> tuple[dict, np.ndarray, np.ndarray, int]:
+              empty: Callable[[str, int], np.ndarray]) -> tuple:
     """Copy the live rows of ``names`` into ``empty(name, rows)`` arrays, oldest chunk first.
 
-    Returns ``(arrays, stream, original, n)``: the first ``n`` rows of each
-    array, and of the int64 ``stream`` (split at holes) and ``original``
-    (the writer's stream id) arrays, are whole chunks; rows past ``n`` are
-    unused (chunks recycled while they were copied).
+    Returns ``(arrays, stream, original, starts, n)``: the first ``n`` rows
+    of each array, and of the int64 ``stream`` (split at holes) and
+    ``original`` (the writer's stream id) arrays, are whole chunks, which
+    begin at the rows ``starts``; rows past ``n`` are unused (chunks
+    recycled while they were copied).
     """
     live = ring.live_chunks()
     total = int(live.count.sum())
@@ -45,6 +46,7 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     stream = np.empty(total, np.int64)
     original = np.empty(total, np.int64)
     renamed: dict[int, int] = {}
+    starts = []
     next_id = int(live.stream.max()) + 1 if total else 0
     at = 0
     for chunk, seq, count, sid, base in zip(live.chunk.tolist(), live.seq.tolist(),
@@ -58,8 +60,9 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
             continue
         stream[at:at + count] = renamed.get(sid, sid)
         original[at:at + count] = sid
+        starts.append(at)
         at += count
-    return out, stream, original, at
+    return out, stream, original, np.array(starts, np.int64), at
 
 
 def episode_ends(ring: Ring, original: np.ndarray, episode: np.ndarray) -> np.ndarray:
@@ -94,7 +97,7 @@ def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         col = lay.column(name)
         return np.empty((n,) + col.shape, col.dtype)
 
-    out, stream, original, n = copy_live(ring, views, names, empty)
+    out, stream, original, starts, n = copy_live(ring, views, names, empty)
     return {
         "format": FORMAT,
         "spec": {c.name: (list(c.shape), c.dtype.str) for c in lay.user_columns},
@@ -102,6 +105,7 @@ def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         "stream": stream[:n],
         "episode": out[EP_COLUMN][:n],
         "ends": episode_ends(ring, original[:n], out[EP_COLUMN][:n]),
+        "chunks": starts,
     }
 
 
@@ -135,7 +139,7 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
             tensors[name] = torch.empty((n,) + col.shape, dtype=tdtype)
         return _raw_view(tensors[name], col.dtype, (n,) + col.shape)
 
-    out, stream, original, n = copy_live(ring, views, names, empty)
+    out, stream, original, starts, n = copy_live(ring, views, names, empty)
     ends = episode_ends(ring, original[:n], out[EP_COLUMN][:n])
     del out   # views without a reference count on the storage: drop them before _shrink
     for name, t in tensors.items():
@@ -148,6 +152,7 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         "stream": torch.from_numpy(stream[:n].copy()),
         "episode": tensors[EP_COLUMN],
         "ends": torch.from_numpy(ends),
+        "chunks": torch.from_numpy(starts),
     }
 
 
@@ -192,8 +197,9 @@ def from_state_dict(buf, state: dict[str, Any]) -> dict[str, Any]:
     out = {"format": FORMAT, "spec": spec, "columns": columns,
            "stream": _numpy(state["stream"], "state['stream']"),
            "episode": _numpy(state["episode"], "state['episode']")}
-    if "ends" in state:
-        out["ends"] = _numpy(state["ends"], "state['ends']")
+    for key in ("ends", "chunks"):
+        if key in state:
+            out[key] = _numpy(state[key], f"state[{key!r}]")
     return out
 
 
@@ -232,65 +238,101 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
 def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
     """Replace the buffer's contents with the checkpoint ``state``, through writers.
 
-    Streams are replayed so that their episodes end in the checkpoint's
-    order (``ends``); steps after a stream's last recorded end follow, stream
-    by stream.  A change of episode number without a terminal step is an
+    One writer per stream.  The first row of each chunk is written in the
+    checkpoint's chunk order, so chunks are claimed (and will be evicted) in
+    the same FIFO order; between those, streams advance so that episodes end
+    in the order they ended before (``ends``), as far as the chunk order
+    allows.  A change of episode number without a terminal step is an
     ``end_episode`` cut.
     """
     check_compatible(buf, state)
     stream = np.asarray(state["stream"])
     n = len(stream)
     ends = np.asarray(state.get("ends", np.full(n, -1, np.int64)))
-    if ends.shape != (n,):
-        raise ValueError(f"state['ends'] has shape {ends.shape}, expected ({n},)")
+    starts = np.asarray(state.get("chunks", np.flatnonzero(np.diff(stream, prepend=-1) != 0)))
+    if ends.shape != (n,) or starts.ndim != 1 or len(starts) and (
+            starts.min() < 0 or starts.max() >= n):
+        raise ValueError("state: 'ends' or 'chunks' do not fit the rows")
     ring.clear()
-    replay = _Replay(buf, state)
+    replay = _Replay(buf, state, ends)
     try:
-        rows_of = {sid: np.flatnonzero(stream == sid) for sid in dict.fromkeys(stream.tolist())}
-        cursor = dict.fromkeys(rows_of, 0)
-        for row in np.flatnonzero(ends >= 0)[np.argsort(ends[ends >= 0], kind="stable")]:
-            sid = int(stream[row])
-            rows = rows_of[sid]
-            upto = int(np.searchsorted(rows, row)) + 1
-            replay.write(sid, rows[cursor[sid]:upto])
-            replay.end(sid, int(row))
-            cursor[sid] = upto
-        for sid, rows in rows_of.items():
-            replay.write(sid, rows[cursor[sid]:])
+        for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
+            replay.schedule(int(stream[a]), a, b)
+        replay.drain(force=True)
     finally:
         replay.close()
 
 
 class _Replay:
-    """One writer per checkpoint stream, writing its rows in the order given."""
+    """Writers for the checkpoint's streams, and the rows each may still write."""
 
-    def __init__(self, buf, state):
+    def __init__(self, buf, state, ends: np.ndarray):
         self.buf = buf
         self.episode = np.asarray(state["episode"])
         self.columns = {k: np.asarray(v) for k, v in state["columns"].items()}
         self.done = self.columns[buf.done_key] if buf.done_key else None
+        self.ends = ends
+        self.due = sorted(ends[ends >= 0].tolist())   # episode ends, in the order they ended
+        self.next_due = 0
+        self.pending: dict[int, list] = {}            # stream -> [next row, end row)
         self.writers, self.prev = {}, {}
 
-    def write(self, sid: int, rows: np.ndarray) -> None:
-        if not len(rows):
-            return
+    def schedule(self, sid: int, a: int, b: int) -> None:
+        """Chunk rows ``[a, b)`` of stream ``sid``: its first row is written now."""
+        span = self.pending.get(sid)
+        if span is not None and span[0] < span[1]:
+            self._advance(sid, force=True)   # the stream's earlier rows come first
+        self.pending[sid] = [a, b]
+        self._write(sid, a)
+        self.pending[sid][0] = a + 1
+        self.drain(force=False)
+
+    def drain(self, force: bool) -> None:
+        """Write what the episode order allows; with ``force``, everything."""
+        progress = True
+        while progress:
+            progress = False
+            for sid in list(self.pending):
+                progress |= self._advance(sid, force=False)
+        if force:
+            for sid in list(self.pending):
+                self._advance(sid, force=True)
+
+    def _advance(self, sid: int, force: bool) -> bool:
+        span, moved = self.pending[sid], False
+        while span[0] < span[1]:
+            row = span[0]
+            rank = int(self.ends[row])
+            if rank >= 0 and not force and rank != self._due():
+                break   # another episode ended first
+            self._write(sid, row)
+            span[0] = row + 1
+            moved = True
+        return moved
+
+    def _due(self) -> int:
+        return self.due[self.next_due] if self.next_due < len(self.due) else -1
+
+    def _write(self, sid: int, i: int) -> None:
         w = self.writers.get(sid)
         if w is None:
             w = self.writers[sid] = self.buf.writer()
-        cols = self.columns
-        for i in rows.tolist():
-            j = self.prev.get(sid)
-            if j is not None and j >= 0 and self.episode[i] != self.episode[j] and not (
-                    self.done is not None and self.done[j]):
-                w.end_episode()   # the original stream was cut here without a terminal
-            w.add(**{k: v[i] for k, v in cols.items()})
-            self.prev[sid] = i
-
-    def end(self, sid: int, row: int) -> None:
-        """The episode ending at ``row`` ended there: by its terminal, or by a cut."""
-        if not (self.done is not None and self.done[row]):
-            self.writers[sid].end_episode()
-        self.prev[sid] = -1
+        j = self.prev.get(sid)
+        if j is not None and j >= 0 and self.episode[i] != self.episode[j] and not (
+                self.done is not None and self.done[j]):
+            w.end_episode()   # the original stream was cut here without a terminal
+        w.add(**{k: v[i] for k, v in self.columns.items()})
+        self.prev[sid] = i
+        rank = int(self.ends[i])
+        if rank >= 0:
+            if not (self.done is not None and self.done[i]):
+                w.end_episode()   # ended by end_episode (its last one, or the next is gone)
+            self.prev[sid] = -1
+            if rank == self._due():
+                self.next_due += 1
+            else:   # forced out of order: skip it in the due list
+                self.due.remove(rank)
+                self.next_due = min(self.next_due, len(self.due))
 
     def close(self) -> None:
         for w in self.writers.values():

@@ -25,9 +25,11 @@ starts workers (each epoch, unless ``persistent_workers``): seed torch
 (``torch.manual_seed`` or ``DataLoader(generator=...)``) to repeat a
 loader's batches, and workers of a later epoch never repeat an earlier one.
 Two workers, or a worker and the owner, or two children with different
-pids, never share a stream.  Within one process, every handle of the same
-buffer with the same seed draws from one shared stream (a Pool that
-unpickles the buffer for each task continues it rather than repeating it).
+pids, never share a stream.  An object made with ``seed=s`` starts its
+process's stream from the beginning, as ``np.random.default_rng`` would;
+objects that arrive by pickle (a Pool unpickles its arguments for every
+task) continue one stream per process, buffer and seed instead of
+repeating it.
 """
 from __future__ import annotations
 
@@ -65,9 +67,9 @@ def _worker_info():
     return data.get_worker_info() if data is not None else None
 
 
-# Seeded streams of this process, shared by every handle of the same buffer
-# and seed: a Pool task that unpickles a buffer again continues the stream
-# of the task before it instead of repeating it.  Bounded, oldest dropped.
+# Seeded streams of this process shared by the unpickled objects of one buffer
+# and seed: a Pool task that unpickles a buffer again continues the stream of
+# the task before it instead of repeating it.  Bounded, oldest dropped.
 _STREAMS: dict = {}
 _MAX_STREAMS = 256
 
@@ -77,11 +79,12 @@ class ProcessRandom:
 
     ``get()`` returns this process's generator, made on first use in the
     process (and again after a fork, or in a new round of DataLoader
-    workers).  With a seed, every handle of buffer ``name`` in one process
-    draws from one shared stream.
+    workers).  ``shared``: draw from the process's one stream of buffer
+    ``name`` and this seed (what unpickled objects do).
     """
 
-    def __init__(self, seed=None, owner_pid: int | None = None, name: str = ""):
+    def __init__(self, seed=None, owner_pid: int | None = None, name: str = "",
+                 shared: bool = False):
         if isinstance(seed, bool) or seed is not None and not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be None or a non-negative int, got {seed!r}")
         if seed is not None and seed < 0:
@@ -89,6 +92,7 @@ class ProcessRandom:
         self.seed = None if seed is None else int(seed)
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
         self.name = name
+        self.shared = shared
         self._key = None
         self._gen = None
 
@@ -104,6 +108,8 @@ class ProcessRandom:
     def _make(self, key) -> np.random.Generator:
         if self.seed is None:
             return np.random.default_rng()
+        if not self.shared:
+            return np.random.default_rng(stream_seed(self.seed, current_place(self.owner_pid)))
         shared = (self.name, self.seed, key)
         gen = _STREAMS.get(shared)
         if gen is None:
@@ -119,4 +125,4 @@ class ProcessRandom:
         return {"seed": self.seed, "owner_pid": self.owner_pid, "name": self.name}
 
     def __setstate__(self, state):
-        self.__init__(state["seed"], state["owner_pid"], state["name"])
+        self.__init__(state["seed"], state["owner_pid"], state["name"], shared=True)

@@ -402,6 +402,119 @@ class Buffer(Shared):
         self._check_open()
         return _episode_reader.one(self._ring, self._finder, self._views, list(self.spec), index)
 
+    # -- the trainer's data path ---------------------------------------------------------
+    def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
+                **sample_kwargs):
+        """A torch ``IterableDataset`` whose items are whole batches, for a ``DataLoader``.
+
+        Each item is ``sample_sequences(batch_size, length, **sample_kwargs)``
+        as a dict of CPU tensors (time-major by default), already collated:
+        give the loader ``batch_size=None``.  Works with any start method and
+        ``persistent_workers``: each worker attaches by name (the dataset
+        pickles to the name and its arguments) and draws its own random
+        stream.  In a worker the batch is gathered straight into torch's
+        shared memory, so handing it to the trainer copies nothing more.
+
+        Args:
+            batch_size, length, **sample_kwargs: as ``sample_sequences``
+                (``time_major``, ``tail``, ``uniform``, ``newest``).
+            batches: batches per pass (an epoch), split over the workers;
+                None (default): endless.
+            seed: the streams' seed (see ``create``); default this buffer's.
+
+        Returns:
+            ``shmbuf.dataset.BatchDataset``.  When the buffer is closed or its
+            owner removes it, iteration ends after the batch in hand; a
+            worker that starts after the buffer is gone raises
+            ``SegmentNotFoundError``.
+
+        Raises:
+            ValueError / TypeError: a bad argument, as ``sample_sequences``.
+
+        Example:
+            >>> loader = DataLoader(buf.dataset(50, 50), batch_size=None, num_workers=2)
+            >>> next(iter(loader))["obs"].shape   # torch.Size([50, 50, 3, 64, 64])
+        """
+        from .dataset import BatchDataset
+
+        self._check_open()
+        return BatchDataset(self, batch_size, length, batches=batches, seed=seed,
+                            **sample_kwargs)
+
+    def prefetch(self, batch_size: int, length: int, *, depth: int = 2, device=None,
+                 pin_memory: bool | None = None, rng=None, **sample_kwargs):
+        """Batches sampled ahead by a background thread and delivered on ``device``.
+
+        The thread samples into ``depth`` preallocated buffers (``out=``;
+        pinned when ``device`` is CUDA), copies each to the device with
+        ``non_blocking=True`` on a side CUDA stream, and the consumer's
+        stream waits for that copy: no kernel sees a half-copied batch.
+
+        A yielded batch stays valid until the next ``next()`` (or ``close()``):
+        only then is its buffer handed back to the thread (on CUDA, after the
+        kernels queued on it so far).  ``.clone()`` what you keep longer.
+        Errors in the thread are raised by ``next()``; ``close()`` or leaving
+        the ``with`` block stops the thread after the batch in hand.
+
+        Args:
+            batch_size, length, **sample_kwargs: as ``sample_sequences``.
+            depth: preallocated batches, >= 1 (2: one in use, one being made).
+            device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default CUDA when
+                available, else CPU.
+            pin_memory: pin the host buffers; default: when ``device`` is CUDA.
+            rng: a ``np.random.Generator`` or seed for the thread's draws;
+                default this process's stream of the buffer.
+
+        Returns:
+            ``shmbuf.prefetch.Prefetcher``: an iterator of ``{column: tensor}``
+            and a context manager.
+
+        Raises:
+            ValueError / TypeError: a bad argument (``depth < 1``, an unknown
+                or unavailable device, ``pin_memory=True`` without CUDA), as
+                ``sample_sequences`` for the rest.
+            BufferClosedError: the buffer is closed.
+
+        Example:
+            >>> with buf.prefetch(50, 50, device="cuda") as batches:
+            ...     for batch in batches:
+            ...         loss = model(batch["obs"])
+        """
+        from .prefetch import Prefetcher
+
+        self._check_open()
+        return Prefetcher(self, batch_size, length, depth=depth, device=device,
+                          pin_memory=pin_memory, rng=rng, **sample_kwargs)
+
+    def iter_episodes(self, newest: int | None = None, include_open: bool = False):
+        """Yield whole episodes as ``{column: (steps, ...) array}``, oldest first.
+
+        The finished episodes (ended by a terminal step or
+        ``Writer.end_episode``) that the buffer still holds, in the order they
+        ended, read from the episode index.  Safe while writers run: an
+        episode recycled before or while it is read is skipped, never
+        returned torn; episodes that end after the call began are not
+        included.  The arrays are copies.
+
+        Args:
+            newest: only the newest ``newest`` finished episodes.
+            include_open: then also each stream's unfinished episode: the
+                steps it holds after its last finished one (the oldest may be
+                recycled already), streams in the order of their newest chunk.
+
+        Raises:
+            BufferClosedError: the buffer was closed (also between episodes).
+
+        Example:
+            >>> for ep in buf.iter_episodes(newest=10):
+            ...     print(len(ep["reward"]), ep["reward"].sum())
+        """
+        from . import _episode_reader
+
+        self._check_open()
+        return _episode_reader.iterate(self, self._ring, self._finder, self._views, newest,
+                                       include_open)
+
     # -- waiting and counters ---------------------------------------------------
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
         """Block until at least ``min_steps`` steps are live; return the count.
@@ -680,8 +793,11 @@ def _watch(buf: Buffer, handle_signals) -> Buffer:
 
 
 def _reattach(name: str, seed) -> Buffer:
-    """Unpickling: attach, keeping the seed (the child's stream is its own, see _process_rng)."""
-    return attach(name, seed=seed)
+    """Unpickling: attach, keeping the seed; the buffers unpickled in one process continue
+    one stream (a Pool's tasks never repeat each other), see _process_rng."""
+    buf = attach(name, seed=seed)
+    buf._random.shared = True
+    return buf
 
 
 def attach(name: str, *, seed=None, own: bool = False,

@@ -389,8 +389,10 @@ def test_loader_workers_draw_apart_and_a_seeded_loader_repeats(make_rb):
     add_steps(rb, 1, 300)
 
     def batches():
-        loader = DataLoader(SequenceDataset(rb, sequence_length=2, burn_in=1), batch_size=32,
-                            shuffle=True, num_workers=2,
+        # Seeded: every process's stream is a function of the seed and its place, and a
+        # worker's place includes the loader's seed from torch's generator.
+        loader = DataLoader(SequenceDataset(rb, sequence_length=2, burn_in=1, seed=5),
+                            batch_size=32, shuffle=True, num_workers=2,
                             generator=torch.Generator().manual_seed(3))
         return [ids[:, 0, 3] for ids in epoch(loader)]
 

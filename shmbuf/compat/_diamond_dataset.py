@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
+from .._process_rng import ProcessRandom
 from .diamond import ReplayBuffer, _actions, _frames, _values
 
 
@@ -19,9 +20,9 @@ class SequenceDataset:
     buffer at that moment; the index only counts draws.  DataLoader workers
     read the live shared buffer (a spawned one attaches by name, a forked one
     shares the mapping), so steps added after the loader started show up.
-    Each worker draws from its own generator, seeded from torch's per-worker
-    seed and ``seed``: workers never repeat each other, a seeded loader
-    repeats itself.
+    Each process draws its own random stream (``shmbuf._process_rng``):
+    workers never repeat each other or the main process, and with ``seed`` a
+    loader repeats itself when torch is seeded.
 
     Args:
         replay_buffer: the ``ReplayBuffer`` to read.
@@ -64,8 +65,10 @@ class SequenceDataset:
         self.epoch_length = None if epoch_length is None else check_int("epoch_length",
                                                                          epoch_length, 0)
         self.seed = None if seed is None else check_int("seed", seed, 0)
-        self._rng = np.random.default_rng(self.seed)
-        self._rng_for = None    # torch worker seed of _rng; None in the main process
+        # One stream per process (shmbuf._process_rng): the owner, each DataLoader
+        # worker (by id and the loader's seed) and any other child draw their own.
+        self._random = ProcessRandom(self.seed, replay_buffer.buffer._owner_pid,
+                                     replay_buffer.name)
 
     def __len__(self) -> int:
         return len(self.replay_buffer) if self.epoch_length is None else self.epoch_length
@@ -86,15 +89,8 @@ class SequenceDataset:
                 "burn_in_actions": _actions(w["action"][ctx], "cpu")}
 
     def _generator(self) -> np.random.Generator:
-        """This process's generator: a DataLoader worker reseeds from torch's worker seed."""
-        from torch.utils.data import get_worker_info
-
-        info = get_worker_info()
-        worker_seed = None if info is None else info.seed
-        if worker_seed != self._rng_for:
-            entropy = self.seed if worker_seed is None else [worker_seed, self.seed or 0]
-            self._rng, self._rng_for = np.random.default_rng(entropy), worker_seed
-        return self._rng
+        """This process's generator (a DataLoader worker or a forked child gets its own)."""
+        return self._random.get()
 
     def __repr__(self) -> str:
         return (f"<shmbuf.diamond.SequenceDataset of {self.replay_buffer.name!r} "

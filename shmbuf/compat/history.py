@@ -320,6 +320,11 @@ class HistoryBuffer(Shared):
         """
         return cls._from_rings(keyed.attach(name))
 
+    @property
+    def rng(self) -> np.random.Generator:
+        """This process's generator (``seed=``; a forked or spawned child gets its own)."""
+        return self._random.get()
+
     @classmethod
     def _handle(cls, name: str, params: dict | None = None) -> "HistoryBuffer":
         """An attached handle on segment ``name``, not bound to its rings yet."""

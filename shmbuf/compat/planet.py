@@ -178,9 +178,7 @@ class Memory(Facade):
         Example:
             >>> memory = Memory.attach("shmbuf-1a2b3c4d5e6f")
         """
-        memory = super().attach(name, seed=seed, own=own, handle_signals=handle_signals)
-        memory._rng = np.random.default_rng(seed)
-        return memory
+        return super().attach(name, seed=seed, own=own, handle_signals=handle_signals)
 
     # -- sizes ------------------------------------------------------------------
     @property
@@ -381,7 +379,7 @@ class Memory(Facade):
                 "sequences, or raise memory.max_sample_bytes")
         try:
             c = self.buffer.sample_sequences(batch_size, tracelen + 1, time_major=bool(time_first),
-                                             rng=self._rng, uniform="episodes",
+                                             uniform="episodes",
                                              newest=self.max_episodes)
         except NotEnoughDataError:
             rows = self._held_rows()
