@@ -385,6 +385,26 @@ def test_a_dead_node_is_dropped_and_its_writers_get_a_clear_error(cluster, rb, c
             c.remove_node(extra)
 
 
+def test_a_dead_shard_actor_is_replaced_by_refresh(cluster, rb):
+    _, ids, agents = cluster
+    old = next(s for s in rb.shards if s.node_id == ids["n1"])
+    try:
+        got = ray.get(agents["n1"].run.remote(write_episodes, rb, 3, 100), timeout=T)
+        assert got["mode"] == "shm"
+        ray.kill(old.actor, no_restart=True)             # the actor dies, its node lives on
+        err = ray.get(agents["n1"].run.remote(write_until_error, 3, 5_000), timeout=T)
+        assert err is not None and err[0] in ("ShardLostError", "BufferClosedError"), err
+        assert rb.refresh() == {"added": [ids["n1"]], "dropped": [ids["n1"]]}
+        new = next(s for s in rb.shards if s.node_id == ids["n1"])
+        assert new.buffer != old.buffer
+        got = ray.get(agents["n1"].run.remote(write_episodes, rb, 4, 100), timeout=T)
+        assert new.buffer in got["maps"]
+        check_windows(rb.sample_sequences(16, 10), 10)
+        ray.get(agents["n1"].run.remote(close_writer, 4), timeout=T)
+    finally:
+        _remove_segment(old.buffer)
+
+
 def _remove_segment(name: str | None) -> None:
     """A dead node's /dev/shm dies with the machine; on this one host, unlink it by hand."""
     if name and os.path.exists(f"/dev/shm/{name}"):

@@ -303,7 +303,7 @@ class ShardedBuffer:
         """Give a shard to every alive node that matches and has none; drop dead nodes' shards.
 
         Call it after nodes join (an autoscaler, ``ray start`` on a new
-        machine).  The nodes that match are those of ``create``'s
+        machine) or a shard's actor died.  The nodes that match are those of ``create``'s
         ``node_resource`` (every node if None); a buffer made with an
         explicit ``nodes=`` list grows only by the ``nodes`` given here.
         Idempotent and safe from any process: shard names are a function of
@@ -315,10 +315,11 @@ class ShardedBuffer:
         self._check_open()
         alive = _alive_nodes(None)
         dropped = [n for n in list(self._entries) if n not in alive]
-        alive = [n for n in (_alive_nodes(self._node_resource) if nodes is None else nodes)
-                 if n in alive]
         for n in dropped:
             self._lost(self._entries[n], ShardLostError(f"node {n} is no longer alive"))
+        dropped += self._ping()
+        alive = [n for n in (_alive_nodes(self._node_resource) if nodes is None else nodes)
+                 if n in alive]
         wanted = [n for n in alive if n not in self._entries]
         added = _start_shards(self.name, self.namespace, self._spec, self._capacity,
                               self._options, wanted, self._timeout, self._node_resource)
@@ -326,6 +327,21 @@ class ShardedBuffer:
             self._entries[e.node_id] = e
             self._lost_entries.pop(e.node_id, None)
         return {"added": [e.node_id for e in added], "dropped": dropped}
+
+    def _ping(self) -> list[str]:
+        """Drop the shards that do not answer (an actor that died on a live node)."""
+        entries = self._live()
+        refs = [e.actor.info.remote() for e in entries]
+        gone = []
+        for e, ref in zip(entries, refs):
+            try:
+                ray.get(ref, timeout=self._timeout)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                self._lost(e, exc)
+                gone.append(e.node_id)
+        return gone
 
     # -- counters and lifecycle ---------------------------------------------------------
     def stats(self) -> list[ShardStats]:
