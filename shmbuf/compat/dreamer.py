@@ -24,6 +24,7 @@ import numpy as np
 from .._errors import NotEnoughDataError
 from ._base import register
 from .._args import check_int
+from . import _torch_batches
 from ._transitions import TransitionFacade, check_window, transition_params, \
     transition_spec
 
@@ -123,3 +124,28 @@ class ReplayBuffer(TransitionFacade):
             raise NotEnoughDataError(f"sample() needs seq_len={length} consecutive steps of one "
                                      f"episode: {exc}") from None
         return batch["obs"], batch["action"], batch["reward"], batch["done"].astype(np.float32)
+
+    def prefetch(self, depth: int = 2, device=None, pin_memory: bool | None = None):
+        """``sample()`` batches made ahead by a background thread, as tensors on ``device``.
+
+        Yields ``(obs, act, rew, term)`` of ``sample()``'s shapes and dtypes
+        (``term`` float32), drawn and copied as ``Buffer.prefetch`` does: a
+        batch is valid until the next one is taken.
+
+        Example:
+            >>> with rb.prefetch(device="cuda") as batches:
+            ...     obs, act, rew, term = next(batches)
+        """
+        length = check_window("seq_len", self.seq_len, self.size, 0)
+        return _torch_batches.prefetch(self, check_int("batch_size", self.batch_size, 1), length,
+                                       _torch_batches.dreamer, depth, device, pin_memory)
+
+    def dataset(self, batches: int | None = None, seed=None):
+        """A torch ``IterableDataset`` of ``sample()`` batches as tensors (``Buffer.dataset``).
+
+        Example:
+            >>> loader = DataLoader(rb.dataset(), batch_size=None, num_workers=2)
+        """
+        length = check_window("seq_len", self.seq_len, self.size, 0)
+        return _torch_batches.dataset(self, check_int("batch_size", self.batch_size, 1), length,
+                                      _torch_batches.dreamer, batches, seed)

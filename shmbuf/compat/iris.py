@@ -32,6 +32,7 @@ import numpy as np
 from .._errors import NotEnoughDataError, OnPolicyBufferFullError
 from ._base import register
 from .._args import check_int
+from . import _torch_batches
 from ._transitions import TransitionFacade, check_window, transition_params, \
     transition_spec
 
@@ -140,6 +141,32 @@ class IRISReplayBuffer(TransitionFacade):
         return (obs, np.ascontiguousarray(batch["action"][:, first]),
                 np.ascontiguousarray(batch["reward"][:, first]),
                 batch["done"][:, first].astype(np.float32))
+
+    def prefetch(self, seq_len: int | None = None, depth: int = 2, device=None,
+                 pin_memory: bool | None = None):
+        """``sample_sequence()`` batches made ahead by a background thread, on ``device``.
+
+        Yields ``(obs, act, rew, term)`` of ``sample_sequence()``'s shapes and
+        dtypes as tensors, drawn and copied as ``Buffer.prefetch`` does: a
+        batch is valid until the next one is taken.
+
+        Example:
+            >>> with rb.prefetch(seq_len=10, device="cuda") as batches:
+            ...     obs, act, rew, term = next(batches)   # obs (B, 11, C, H, W)
+        """
+        length = check_window("seq_len", self.seq_len if seq_len is None else seq_len,
+                              self.size, 1)
+        return _torch_batches.prefetch(self, check_int("batch_size", self.batch_size, 1),
+                                       length + 1, _torch_batches.iris, depth, device,
+                                       pin_memory, time_major=False, tail=1)
+
+    def dataset(self, seq_len: int | None = None, batches: int | None = None, seed=None):
+        """A torch ``IterableDataset`` of ``sample_sequence()`` batches (``Buffer.dataset``)."""
+        length = check_window("seq_len", self.seq_len if seq_len is None else seq_len,
+                              self.size, 1)
+        return _torch_batches.dataset(self, check_int("batch_size", self.batch_size, 1),
+                                      length + 1, _torch_batches.iris, batches, seed,
+                                      time_major=False, tail=1)
 
     def sample_single(self):
         """Draw one stored transition uniformly, the newest included.
