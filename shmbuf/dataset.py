@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ._args import check_int
-from ._errors import SegmentNotFoundError
+from ._errors import BufferClosedError, SegmentNotFoundError
 from ._process_rng import ProcessRandom
 from ._segment import SHM_DIR
 
@@ -68,9 +68,11 @@ def shared_empty(shape: tuple, dtype: np.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=tdtype).set_(new_shared(nbytes), 0, shape)
 
 
-def name_gone(name: str) -> bool:
-    """True once the segment's name was removed (its owner closed or unlinked it)."""
-    return not os.path.exists(os.path.join(SHM_DIR, name))
+def ended(buf) -> bool:
+    """True once this handle is closed, or the owner marked the buffer closed (or removed
+    its name) in any process: the header's closed word, then the name, as a backstop."""
+    return buf.closed or bool(buf._ring.closed()) or not os.path.exists(
+        os.path.join(SHM_DIR, buf.name))
 
 
 class BatchDataset(IterableDataset):
@@ -129,23 +131,29 @@ class BatchDataset(IterableDataset):
         pool = self._pool() if worker is not None else None
         done = 0
         while todo is None or done < todo:
-            if buf.closed or name_gone(self.name):
+            if ended(buf):
                 return   # the buffer ended: a clean end of the iteration
             slot = pool.take() if pool is not None else None
-            if slot is not None:
-                try:
+            try:
+                if slot is not None:
                     self._sample(buf, pool.tensors(slot), rng)
-                except BaseException:
+                    item = pool.handoff(slot, self.transform)
+                elif worker is not None:   # every region lent: fresh shared memory
+                    out = {k: shared_empty(self._lead() + shape, dtype)
+                           for k, (shape, dtype) in self._spec.items()}
+                    item = self._shaped(self._sample(buf, out, rng))
+                else:
+                    batch = self._sample(buf, None, rng)
+                    item = self._shaped({k: torch.from_numpy(v) for k, v in batch.items()})
+            except BufferClosedError:
+                if slot is not None:
                     pool.give_back(slot)
-                    raise
-                yield pool.handoff(slot, self.transform)
-            elif worker is not None:   # every region lent: fresh shared memory
-                out = {k: shared_empty(self._lead() + shape, dtype)
-                       for k, (shape, dtype) in self._spec.items()}
-                yield self._shaped(self._sample(buf, out, rng))
-            else:
-                batch = self._sample(buf, None, rng)
-                yield self._shaped({k: torch.from_numpy(v) for k, v in batch.items()})
+                return   # closed while this batch was drawn
+            except BaseException:
+                if slot is not None:
+                    pool.give_back(slot)
+                raise
+            yield item
             done += 1
 
     def _sample(self, buf, out, rng):
