@@ -22,8 +22,9 @@ import uuid
 
 import ray
 
-from shmbuf.ray._buffer import (DEFAULT_NAMESPACE, ShardedBuffer, ShardEntry, ShardStats,
-                                _alive_nodes, _entry, _start_shards, check_name)
+from shmbuf.ray._buffer import ShardedBuffer, ShardStats
+from shmbuf.ray._placement import (DEFAULT_NAMESPACE, ShardEntry, alive_nodes, check_name,
+                                   make_entry, shard_actors, start_shards)
 from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 from shmbuf.ray.dreamer import ReplayBuffer
@@ -67,12 +68,12 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
     if not ray.is_initialized():
         raise RuntimeError("shmbuf.ray.create needs a Ray connection: call ray.init(...) first")
     name = check_name(name or f"rb-{uuid.uuid4().hex[:12]}")
-    if _shard_actors(name, namespace):
+    if shard_actors(name, namespace):
         raise ValueError(f"a sharded buffer named {name!r} already exists in namespace "
                          f"{namespace!r}; shmbuf.ray.connect({name!r}) reaches it")
-    targets = list(nodes) if nodes is not None else _alive_nodes(node_resource)
+    targets = list(nodes) if nodes is not None else alive_nodes(node_resource)
     resource = node_resource if nodes is None else False   # False: refresh adds none
-    entries = _start_shards(name, namespace, spec, capacity_per_shard, buffer_options,
+    entries = start_shards(name, namespace, spec, capacity_per_shard, buffer_options,
                             targets, timeout_s, resource)
     return ShardedBuffer(name, namespace, spec, capacity_per_shard, buffer_options, resource,
                          entries, owner=True, seed=seed, timeout_s=timeout_s)
@@ -92,24 +93,17 @@ def connect(name: str, *, namespace: str = DEFAULT_NAMESPACE, own: bool = False,
         >>> rb = sray.connect("run-7", own=True)
     """
     check_name(name)
-    actors = _shard_actors(name, namespace)
+    actors = shard_actors(name, namespace)
     if not actors:
         raise ShardedBufferNotFoundError(
             f"no live shard of {name!r} in Ray namespace {namespace!r}: it was closed, its "
             "nodes died, or it lives in another namespace or cluster")
     infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
-    entries = [_entry(a, i) for a, i in zip(actors, infos)]
+    entries = [make_entry(a, i) for a, i in zip(actors, infos)]
     first = infos[0]
     return ShardedBuffer(name, namespace, first["spec"], first["capacity"], first["options"],
                          first["node_resource"], entries, owner=own, seed=seed,
                          timeout_s=timeout_s)
-
-
-def _shard_actors(name: str, namespace: str) -> list:
-    prefix = name + "/"
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == namespace and a["name"].startswith(prefix)]
-    return [ray.get_actor(n, namespace=namespace) for n in sorted(names)]
 
 
 __all__ = ["create", "connect", "ShardedBuffer", "ShardEntry", "ShardStats",

@@ -3,35 +3,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 
 import numpy as np
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 import shmbuf
 from shmbuf.ray import _sampler
 from shmbuf.ray._errors import ShardLostError, is_loss
-from shmbuf.ray._shard import META_KEY, Shard, node_id
+from shmbuf.ray._placement import ShardEntry, actor_name, alive_nodes, make_entry, start_shards
+from shmbuf.ray._shard import META_KEY, node_id
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 
 log = logging.getLogger("shmbuf.ray")
-
-DEFAULT_NAMESPACE = "shmbuf"
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-
-
-@dataclasses.dataclass
-class ShardEntry:
-    """One shard as it reported itself: its node, its buffer's name, its actor."""
-
-    node_id: str
-    buffer: str
-    actor: object
-    capacity: int
-    chunk_size: int
-    ip: str
-
 
 @dataclasses.dataclass(frozen=True)
 class ShardStats:
@@ -147,8 +130,8 @@ class ShardedBuffer:
     def _find(self, node: str) -> ShardEntry | None:
         """A shard on ``node`` made after this handle was (refresh from another process)."""
         try:
-            actor = ray.get_actor(_actor_name(self.name, node), namespace=self.namespace)
-            entry = _entry(actor, ray.get(actor.info.remote(), timeout=self._timeout))
+            actor = ray.get_actor(actor_name(self.name, node), namespace=self.namespace)
+            entry = make_entry(actor, ray.get(actor.info.remote(), timeout=self._timeout))
         except Exception as exc:
             if isinstance(exc, ValueError) or is_loss(exc):
                 return None
@@ -313,15 +296,15 @@ class ShardedBuffer:
             ``{"added": [node ids], "dropped": [node ids]}``.
         """
         self._check_open()
-        alive = _alive_nodes(None)
+        alive = alive_nodes(None)
         dropped = [n for n in list(self._entries) if n not in alive]
         for n in dropped:
             self._lost(self._entries[n], ShardLostError(f"node {n} is no longer alive"))
         dropped += self._ping()
-        alive = [n for n in (_alive_nodes(self._node_resource) if nodes is None else nodes)
+        alive = [n for n in (alive_nodes(self._node_resource) if nodes is None else nodes)
                  if n in alive]
         wanted = [n for n in alive if n not in self._entries]
-        added = _start_shards(self.name, self.namespace, self._spec, self._capacity,
+        added = start_shards(self.name, self.namespace, self._spec, self._capacity,
                               self._options, wanted, self._timeout, self._node_resource)
         for e in added:
             self._entries[e.node_id] = e
@@ -425,56 +408,3 @@ def _out_arrays(out, spec: dict, lead: tuple) -> dict:
 
 def _rebuild(args, timeout_s):
     return ShardedBuffer(*args, owner=False, timeout_s=timeout_s)
-
-
-def _actor_name(rb_name: str, node: str) -> str:
-    return f"{rb_name}/{node}"
-
-
-def _entry(actor, info: dict) -> ShardEntry:
-    return ShardEntry(info["node_id"], info["buffer"], actor, info["capacity"],
-                      info["chunk_size"], info["ip"])
-
-
-def _alive_nodes(resource) -> list[str]:
-    """Alive nodes with ``resource`` (any node if None, none if False)."""
-    if resource is False:
-        return []
-    return [n["NodeID"] for n in ray.nodes()
-            if n.get("Alive") and (resource is None or n.get("Resources", {}).get(resource))]
-
-
-def _start_shards(name, namespace, spec, capacity, options, nodes, timeout,
-                  node_resource=None) -> list[ShardEntry]:
-    actors = [Shard.options(name=_actor_name(name, n), namespace=namespace, lifetime="detached",
-                            get_if_exists=True,
-                            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
-              .remote(name, spec, capacity, options, node_resource) for n in nodes]
-    infos = [a.info.remote() for a in actors]
-    entries = []
-    try:
-        for n, a, ref in zip(nodes, actors, infos):
-            info = ray.get(ref, timeout=timeout)
-            if info["node_id"] != n:
-                raise RuntimeError(f"the shard meant for node {n} runs on {info['node_id']}")
-            entries.append(_entry(a, info))
-    except BaseException:
-        _end(actors, timeout)
-        raise
-    return entries
-
-
-def _end(actors, timeout) -> None:
-    """Close and kill shards (a failed start): their segments are unlinked by their owner."""
-    refs = [a.close.remote() for a in actors]
-    try:
-        ray.wait(refs, num_returns=len(refs), timeout=timeout)
-    finally:
-        for a in actors:
-            ray.kill(a, no_restart=True)
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
-        raise ValueError(f"name must be 1-100 letters, digits, '.', '_' or '-', got {name!r}")
-    return name
