@@ -305,10 +305,36 @@ class _Replay:
             rank = int(self.ends[row])
             if rank >= 0 and not force and rank != self._due():
                 break   # another episode ended first
-            self._write(sid, row)
-            span[0] = row + 1
+            stop = self._run_end(row, span[1]) if rank < 0 else row + 1
+            if stop - row > 1:
+                self._write_run(sid, row, stop)
+            else:
+                self._write(sid, row)
+            span[0] = stop
             moved = True
         return moved
+
+    def _run_end(self, row: int, end: int) -> int:
+        """The first row after ``row`` (below ``end``) that ends an episode or starts another.
+
+        Rows ``[row, stop)`` are one episode with no end to order among the
+        streams, so they go in with one ``Writer.extend``.
+        """
+        rest = slice(row + 1, end)
+        brk = np.flatnonzero((self.ends[rest] >= 0) | (self.episode[rest] != self.episode[row]))
+        return row + 1 + int(brk[0]) if len(brk) else end
+
+    def _write_run(self, sid: int, a: int, b: int) -> None:
+        """Rows ``[a, b)`` of one episode, none of them ending one in the index, at once."""
+        w = self.writers.get(sid)
+        if w is None:
+            w = self.writers[sid] = self.buf.writer()
+        j = self.prev.get(sid)
+        if j is not None and j >= 0 and self.episode[a] != self.episode[j] and not (
+                self.done is not None and self.done[j]):
+            w.end_episode()   # the original stream was cut here without a terminal
+        w.extend(**{k: v[a:b] for k, v in self.columns.items()})
+        self.prev[sid] = b - 1
 
     def _due(self) -> int:
         return self.due[self.next_due] if self.next_due < len(self.due) else -1
