@@ -51,32 +51,45 @@ def _median_time(fn, n: int) -> float:
     return statistics.median(times)
 
 
-def gil_progress(buf) -> float:
-    """A pure-Python loop's progress while a thread gathers with np.take, relative to idle."""
+def gil_stalls(buf) -> dict:
+    """The longest stall of a Python loop while another thread runs one long C call.
+
+    A call that holds the GIL stalls the loop for its whole duration; one that
+    releases it stalls it only as long as the OS scheduler does.  Measured for
+    one np.take of a large batch (the sampler's gather) and, as controls from
+    the same run, ``sum(range(n))`` (holds the GIL) and hashlib over a large
+    buffer (releases it), each sized to take about as long as the gather.
+    """
+    import hashlib
+
     src = buf.arrays["obs"]
-    idx = np.random.default_rng(0).integers(0, len(src), (L, B))
-    out = np.empty((L, B) + src.shape[1:], src.dtype)
-    stop = threading.Event()
+    idx = np.random.default_rng(0).integers(0, len(src), (L, 2 * B))
+    out = np.empty((L, 2 * B) + src.shape[1:], src.dtype)
+    np.take(src, idx, axis=0, out=out, mode="clip")   # pages of out mapped first
 
-    def gather():
-        while not stop.is_set():
-            np.take(src, idx, axis=0, out=out, mode="clip")
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
 
-    def count(seconds):
-        c, end = 0, time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            c += 1
-        return c
-
-    idle = count(0.5)
-    th = threading.Thread(target=gather)
-    th.start()
-    try:
-        busy = count(0.5)
-    finally:
-        stop.set()
+    take_s = timed(lambda: np.take(src, idx, axis=0, out=out, mode="clip"))
+    n = max(1, int(1e6 * take_s / timed(lambda: sum(range(10**6)))))
+    blob = bytes(max(1, int((1 << 24) * take_s / timed(lambda: hashlib.sha256(bytes(1 << 24))))))
+    calls = {"np_take": lambda: np.take(src, idx, axis=0, out=out, mode="clip"),
+             "holds_gil": lambda: sum(range(n)),
+             "releases_gil": lambda: hashlib.sha256(blob).digest()}
+    result = {"call_ms": take_s * 1e3}
+    for name, call in calls.items():
+        done = threading.Event()
+        th = threading.Thread(target=lambda c=call: (c(), done.set()))
+        last, worst = time.perf_counter(), 0.0
+        th.start()
+        while not done.is_set():
+            now = time.perf_counter()
+            worst, last = max(worst, now - last), now
         th.join(60)
-    return busy / idle
+        result[name] = worst * 1e3
+    return result
 
 
 def overlap(buf, steps: int) -> dict:
@@ -110,7 +123,7 @@ def overlap(buf, steps: int) -> dict:
     return {"sample_ms": sample_s * 1e3, "compute_ms": compute_s * 1e3,
             "step_alone_ms": alone * 1e3, "step_plain_ms": plain * 1e3,
             "step_prefetch_ms": prefetched * 1e3, "plain_ratio": plain / alone,
-            "prefetch_ratio": prefetched / alone, "gil_progress": gil_progress(buf)}
+            "prefetch_ratio": prefetched / alone, "gil": gil_stalls(buf)}
 
 
 def dataloader(buf, tracker, n_batches: int) -> dict:
@@ -192,8 +205,9 @@ def main(argv=None) -> int:
          f"{ov['prefetch_ratio']:.2f}x", "<= 1.15x"),
         ("1c", "step with sample_sequences", f"{ov['step_plain_ms']:.2f} ms",
          f"{ov['plain_ratio']:.2f}x", "~2x"),
-        ("1d", "python progress while np.take gathers", f"{ov['gil_progress']:.2f} of idle", "",
-         "GIL released: near 1"),
+        ("1d", f"longest Python stall, {ov['gil']['call_ms']:.0f} ms np.take in a thread",
+         f"{ov['gil']['np_take']:.1f} ms", "", f"controls: GIL held {ov['gil']['holds_gil']:.0f} ms,"
+                                              f" released {ov['gil']['releases_gil']:.1f} ms"),
         ("2a", "direct sample_sequences, 2 processes", f"{dl['direct_batches_per_s']:.1f} b/s",
          "1.00x", ""),
         ("2b", "DataLoader(buf.dataset), 2 workers", f"{dl['dataloader_batches_per_s']:.1f} b/s",

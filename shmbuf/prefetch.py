@@ -126,7 +126,7 @@ class Prefetcher:
         self._thread = threading.Thread(
             target=_fill, name=f"shmbuf-prefetch-{buffer.name}", daemon=True,
             args=(self._state, self._slots, buffer, args, gen, stream))
-        self._finalizer = weakref.finalize(self, _stop, self._state, self._thread)
+        self._finalizer = weakref.finalize(self, _stop, self._state, self._thread, stream)
         self._thread.start()
 
     # -- the consumer -------------------------------------------------------------
@@ -192,12 +192,14 @@ class Prefetcher:
                 f"{' pinned' if self.pinned else ''}{' closed' if self.closed else ''}>")
 
 
-def _stop(state: _State, thread: threading.Thread) -> None:
+def _stop(state: _State, thread: threading.Thread, stream=None) -> None:
     with state.cond:
         state.stop = True
         state.cond.notify_all()
     if thread is not threading.current_thread():
         thread.join(_JOIN_S)
+    if stream is not None:
+        stream.synchronize()   # no copy may still write device memory that is freed next
 
 
 def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
