@@ -288,3 +288,46 @@ def test_readers_see_whole_steps_while_spawned_writers_extend(make_buffer):
         for p in procs:
             if p.pid is not None:
                 p.join(TIMEOUT)
+
+
+# -- the chunk entry's episode starts decide windows exactly as the _ep column does ----
+def _valid_starts(buf, length, tail):
+    rows = buf._ring.committed_rows()
+    return buf._finder.valid(rows, length, tail)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chunk_size=st.integers(1, 9),
+       steps=st.lists(st.tuples(st.sampled_from(["add", "extend", "cut"]), st.integers(1, 12),
+                                st.integers(1, 6)), min_size=1, max_size=25))
+def test_starts_word_decides_windows_like_the_ep_column(chunk_size, steps):
+    """Every committed start row, every length and tail: the same verdict with the
+    starts words as with all of them marked untracked (which makes C read _ep)."""
+    from shmbuf import _layout
+
+    with shmbuf.create(SPEC, 120, chunk_size=chunk_size) as buf:
+        pos = 0
+        with buf.writer() as w:
+            for kind, n, every in steps:
+                run = list(episode_steps(1, pos + n, every))[pos:]
+                if kind == "add":
+                    for s in run:
+                        w.add(**s)
+                elif kind == "extend":
+                    w.extend(**_stack(run))
+                else:
+                    w.end_episode()
+                    continue
+                pos += n
+        starts_col = _layout.CHUNK_FIELDS["starts"] // 8
+        table = buf._ring.chunk_table
+        for length in range(1, 8):
+            for tail in range(length):
+                exact = _valid_starts(buf, length, tail)
+                saved = table[:, starts_col].copy()
+                table[:, starts_col] = np.uint64(_layout.STARTS_UNTRACKED)
+                try:
+                    by_ep = _valid_starts(buf, length, tail)
+                finally:
+                    table[:, starts_col] = saved
+                assert exact.tolist() == by_ep.tolist(), (length, tail)
