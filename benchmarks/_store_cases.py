@@ -218,6 +218,26 @@ def _queue_pipeline(cfg, ctx):
         yield run_round
 
 
+@contextlib.contextmanager
+def _ring_pipeline(cfg):
+    """An in-process numpy ring's add() for one stream: torchwm's ring (bench_dreamer)."""
+    from bench_dreamer import UpstreamRing
+
+    ring = UpstreamRing(W1_CAPACITY, (3, 64, 64), 6, 50, 50)
+    for a in (ring.observations, ring.actions, ring.rewards, ring.terminals):
+        a.fill(0)      # prefault, as shmbuf's buffer is
+    frames = _w1_rows(8, seed=5)
+    obs, action, n = frames["obs"], frames["action"][0], cfg.ring_steps
+
+    def run_round():
+        add = ring.add
+        t0 = time.perf_counter()
+        for i in range(n):
+            add({"image": obs[i & 7]}, action, float(i & 255), i % 500 == 499)
+        return n / (time.perf_counter() - t0), 0.0
+    yield run_round
+
+
 def _interleave(cfg, pipelines: dict) -> dict:
     """One warm-up round each, then cfg.reps rounds each, in a rotating order."""
     names = list(pipelines)
@@ -236,12 +256,17 @@ def _interleave(cfg, pipelines: dict) -> dict:
 def bench_ingest(cfg, tracker, ctx) -> list[Row]:
     with tracker.buffer(W1_SPEC, W1_CAPACITY) as buf:
         with _writer_pipeline(cfg, ctx, buf, "add", cfg.ingest_steps) as shm, \
-                _queue_pipeline(cfg, ctx) as diy:
-            two = _interleave(cfg, {"shm": shm, "diy": diy})
+                _queue_pipeline(cfg, ctx) as diy, _ring_pipeline(cfg) as ring:
+            two = _interleave(cfg, {"shm": shm, "diy": diy, "ring": ring})
         with _writer_pipeline(cfg, ctx, buf, "batch16", cfg.batch_rows) as batch, \
                 _writer_pipeline(cfg, ctx, buf, "rows1", cfg.add_rows) as single, \
                 _writer_pipeline(cfg, ctx, buf, "batch16", cfg.batch_rows, True) as warm:
             three = _interleave(cfg, {"batch": batch, "single": single, "warm": warm})
+        with tracker.buffer(W1_SPEC, W1_CAPACITY) as ctl, \
+                _writer_pipeline(cfg, ctx, buf, "ep500", cfg.episode_rows, True) as ext, \
+                _writer_pipeline(cfg, ctx, ctl, "copy500", cfg.episode_rows, True) as copy:
+            seven = _interleave(cfg, {"ext": ext, "copy": copy})
+    per_writer = [r / N_WRITERS for r in two["shm"][0]]
     faults = lambda got: {"writer_minor_faults_per_row": summarize(got[1])}   # noqa: E731
     return [
         Row("2", "2 ingest Writer.add W1, 2 procs: steps/s", "/s", two["shm"][0],
@@ -254,6 +279,13 @@ def bench_ingest(cfg, tracker, ctx) -> list[Row]:
         Row("3p", "3p same, writers' mappings pre-touched: rows/s", "/s", three["warm"][0],
             three["batch"][0], "row 3, whose attached writers fault on each first write",
             ("shmbuf", ">=", 500e3), extra=faults(three["warm"])),
+        Row("2r", "2r Writer.add, 2 procs: steps/s per writer", "/s", per_writer,
+            two["ring"][0], "an in-process numpy ring's add() (torchwm's), one stream",
+            ("ratio", ">=", 1)),
+        Row("7", "7 Writer.extend(500 steps) W1, 2 procs: rows/s", "/s", seven["ext"][0],
+            seven["copy"][0], "2 procs copying the same bytes into a shmbuf mapping, no "
+            "bookkeeping (copy bandwidth)", ("ratio", ">=", 0.6),
+            extra=faults(seven["ext"])),
     ]
 
 
@@ -356,7 +388,12 @@ def bench_scaling(cfg, tracker, ctx) -> list[Row]:
             "np_small": lambda: gather(arr_small), "np_big": lambda: gather(arr_big)})
         extra = {"fill_seconds": fill_s, "live_fraction_big": big.stats().live_steps / big_cap,
                  "live_fraction_small": small.stats().live_steps / small_cap}
+    growth = [b / s for b, s in zip(got["big"], got["small"])]
+    np_growth = [b / s for b, s in zip(got["np_big"], got["np_small"])]
     return [
+        Row("5r", f"5r growth {big_cap / 1e6:g}M / 10k: shmbuf sampler vs numpy gather", "x",
+            growth, np_growth, "the numpy gather's growth over the same capacities (paired "
+            "blocks)", ("ratio", "<=", 1.2)),
         Row("5", f"5 sample_seq(256,4) small cols: {big_cap / 1e6:g}M vs 10k cap", "s",
             got["big"], got["small"], "the same call on a full 10k-step buffer",
             ("ratio", "<=", 1.2), extra=extra),

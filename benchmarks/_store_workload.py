@@ -117,6 +117,33 @@ def _write_rows(w, rows, n_rows: int, batched: bool) -> None:
                 w.add(obs=obs[j], action=act[j], reward=rew[j], done=done[j])
 
 
+def _episode_rows(seed: int) -> dict:
+    """One W1 episode of EPISODE steps, terminal at its last step (extend's unit)."""
+    ep = _w1_rows(EPISODE, seed)
+    ep["done"][-1] = True
+    return ep
+
+
+def _write_episodes(w, ep: dict, n_rows: int) -> None:
+    for _ in range(n_rows // EPISODE):
+        w.extend(**ep)
+
+
+def _copy_episodes(buf, wid: int, ep: dict, n_rows: int) -> None:
+    """The control of extend: copy the same bytes into the mapping, no bookkeeping.
+
+    Each writer cycles through its own part of the columns, EPISODE rows per
+    copy, like a writer process with nothing to check or publish.
+    """
+    arrays = buf.arrays
+    part = W1_CAPACITY // N_WRITERS
+    lo = (wid % N_WRITERS) * part
+    for i in range(n_rows // EPISODE):
+        j = lo + (i * EPISODE) % (part - EPISODE + 1)
+        for name, a in arrays.items():
+            a[j:j + EPISODE] = ep[name]
+
+
 def _minflt() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
@@ -152,6 +179,8 @@ def _ingest_worker(name, wid, mode, n_steps, rounds, barrier, results, pretouch=
     """Child: per round, wait at the barrier, write, report (wid, start, end, faults)."""
     with _attached(name, results, barrier) as buf, buf.writer() as w:
         rows = _w1_rows(16 if mode != "add" else 8, seed=wid)
+        if mode in ("ep500", "copy500"):
+            rows = _episode_rows(seed=wid)
         if pretouch:
             touch_mapping(buf)
         for _ in range(rounds):
@@ -159,6 +188,10 @@ def _ingest_worker(name, wid, mode, n_steps, rounds, barrier, results, pretouch=
             f0, t0 = _minflt(), time.perf_counter()
             if mode == "add":
                 _write_add(w, rows, n_steps)
+            elif mode == "ep500":
+                _write_episodes(w, rows, n_steps)
+            elif mode == "copy500":
+                _copy_episodes(buf, wid, rows, n_steps)
             else:
                 _write_rows(w, rows, n_steps, batched=mode == "batch16")
             results.put((wid, t0, time.perf_counter(), _minflt() - f0))

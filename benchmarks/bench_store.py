@@ -52,14 +52,16 @@ class Config:
     big_capacity: int      # the large buffer of measurement 5
     create_gib: float      # segment size for create() timing
     touch_capacity: int    # W1 steps for the first-touch measurement
+    episode_rows: int      # rows per writer per repetition of extend (multiple of 500)
+    ring_steps: int        # in-process numpy ring add() steps per repetition
 
 
 QUICK = Config(reps=5, lat_calls=40, ingest_steps=15_000, queue_steps=3_000, batch_rows=32_000,
                add_rows=8_000, mem_steps=10_000, scale_calls=300, big_capacity=10_000_000,
-               create_gib=0.5, touch_capacity=10_000)
+               create_gib=0.5, touch_capacity=10_000, episode_rows=20_000, ring_steps=15_000)
 FULL = Config(reps=9, lat_calls=200, ingest_steps=40_000, queue_steps=8_000, batch_rows=96_000,
               add_rows=24_000, mem_steps=10_000, scale_calls=1000, big_capacity=10_000_000,
-              create_gib=1.0, touch_capacity=30_000)
+              create_gib=1.0, touch_capacity=30_000, episode_rows=60_000, ring_steps=40_000)
 
 # -- driver --------------------------------------------------------------------------------------
 BENCHES = (("1 sampling", bench_sampling), ("2+3 ingest", bench_ingest),

@@ -47,7 +47,9 @@ from _compare.latency import latency_rows  # noqa: E402
 
 SHM_DIR = "/dev/shm"
 RESULTS = HERE / "results"
-MODES = (("add", "add, 1 step/call"), ("batch16", "16 env rows/call"))
+MODES = (("add", "add, 1 step/call"), ("batch16", "16 env rows/call"),
+         ("ep500", "500-step episode/call"))
+UNIT = {"ep500": 500}   # rows per call of a mode (16 otherwise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +96,12 @@ def made(cls, wl, ctx, tracker):
 
 # -- W1 ingest --------------------------------------------------------------------------------
 def _ingest_rates(cfg, b, n, mode) -> list[float]:
-    rows = 128
+    unit = UNIT.get(mode, 16)
+    rows = max(128, unit)
     for share in (0.25, 1.0):          # calibrate; also warms the pool and the buffer
         secs = b.ingest(n, mode, rows)
         per_writer = rows / secs * cfg.round_s * share
-        rows = int(min(max(per_writer, 128), cfg.max_rows)) // 16 * 16
+        rows = max(int(min(max(per_writer, 128), cfg.max_rows)) // unit * unit, unit)
     return [n * rows / b.ingest(n, mode, rows) for _ in range(cfg.reps)]
 
 

@@ -71,8 +71,9 @@ class NumpyGather(Backend):
 class NumpyCopy(NumpyGather):
     key, label = "numpy_copy", "numpy contiguous copy (ceiling)"
     note = {"W1": "sample: one contiguous slice of the same bytes, copied; ingest: the writer "
-                  "processes copy the same bytes into a pre-touched /dev/shm mapping, 1 row or "
-                  "16 contiguous rows per call, no bookkeeping (memory-bandwidth ceiling)",
+                  "processes copy the same bytes into a pre-touched /dev/shm mapping, 1 row, "
+                  "16 or 500 contiguous rows per call, no bookkeeping (memory-bandwidth "
+                  "ceiling)",
             "W2": "one contiguous slice of the same bytes, copied (memory-bandwidth floor)",
             "W3": "one contiguous slice of the same bytes, copied (memory-bandwidth floor)"}
     _shm = None
@@ -291,8 +292,9 @@ class TorchRL(Backend):
 # -- shmbuf ---------------------------------------------------------------------------------------
 class ShmbufCore(Backend):
     key, label = "shmbuf", "shmbuf core"
-    note = {"W1": "Writer.add / add_batch from spawned processes; sample_sequences(50, 50), "
-                  "time-major, windows within one episode", "W2": "sample_sequences(256, 4)"}
+    note = {"W1": "Writer.add / add_batch / extend (500-step episodes) from spawned processes; "
+                  "sample_sequences(50, 50), time-major, windows within one episode",
+            "W2": "sample_sequences(256, 4)"}
 
     def setup(self, wl):
         if wl.key == "W3":

@@ -78,7 +78,8 @@ def _w1_ingest(ax, figs):
     rows = _ok(figs, "W1", "ingest")
     keys = _keys(rows)
     configs = list(dict.fromkeys(f["config"] for f in rows))
-    series = [(c.replace(", 1 step/call", "").replace(" rows/call", ""),
+    series = [(c.replace(", 1 step/call", "").replace(" rows/call", "")
+               .replace("500-step episode/call", "ep 500"),
                lambda k, c=c: next((f for f in rows if f["backend"] == k and f["config"] == c),
                                    None)) for c in configs]
     _bars(ax, rows, keys, series, "median", 1e-3, "k rows/s (log)",

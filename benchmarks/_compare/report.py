@@ -12,6 +12,7 @@ import statistics
 import traceback
 
 from .backends import BACKENDS, ORDER
+from .history import AB, N_ENVS
 from .base import NotApplicable, Unavailable
 
 LABELS = {c.key: c.label for c in BACKENDS}
@@ -157,7 +158,10 @@ def targets(figs) -> list[dict]:
                            v >= 1, f"closest peer: {worst['label']} at {v:.3g}x shmbuf's time"
                            + (f"; not measured: {', '.join(missing)}" if missing else "")))
     ran_ingest = any(f["workload"] == "W1" and f["measure"] == "ingest" for f in figs)
-    for mode in ("add, 1 step/call", "16 env rows/call") if ran_ingest else ():
+    if ran_ingest:
+        out += _ingest_targets(figs)
+    for mode in ("add, 1 step/call", "16 env rows/call", "500-step episode/call") \
+            if ran_ingest else ():
         for peer, limit in (("queue", 5.0), ("cpprb", 2.0)):
             f = find(figs, "W1", "ingest", f"{mode}, 2 writers", peer)
             text = f"W1 ingest, 2 writers, {mode}: >= {limit:g}x {LABELS[peer]}"
@@ -175,6 +179,20 @@ def targets(figs) -> list[dict]:
         out.append(_target("W2 sample time growth 10k -> 10M < 1.2x", v, "< 1.2", v < 1.2,
                            f"{fmt(small['stats']['median'], 's')} -> "
                            f"{fmt(big['stats']['median'], 's')} = {v:.3g}x"))
+        g_small = find(figs, "W2", "sample", "capacity 10,000", "numpy_gather")
+        g_big = find(figs, "W2", "sample", "capacity 10,000,000", "numpy_gather")
+        if g_small and g_big and g_small["stats"] and g_big["stats"]:
+            g = g_big["stats"]["median"] / g_small["stats"]["median"]
+            out.append(_target(
+                "W2 growth 10k -> 10M <= 1.2x the numpy gather's growth (same run)", v / g,
+                "<= 1.2", v / g <= 1.2, f"shmbuf grows {v:.3g}x, the numpy gather of the same "
+                f"rows {g:.3g}x: {v / g:.3g}x"))
+    get = find(figs, "W3", "get", f"{N_ENVS} envs, get(8), action_block {AB}", "numpy_copy")
+    if get and get["ratio"]:
+        v = 1 / get["ratio"]["median"]
+        out.append(_target("W3 HistoryBuffer get within 1.5x of a bare copy of its bytes", v,
+                           "<= 1.5", v <= 1.5, f"get / contiguous copy = {v:.3g}x (paired per "
+                           "repetition)"))
     for config in ("2 writers", "2 writers, pinned apart"):
         p50 = find(figs, "W1", "latency p50", config, "shmbuf")
         p99 = find(figs, "W1", "latency p99", config, "shmbuf")
@@ -184,6 +202,33 @@ def targets(figs) -> list[dict]:
             out.append(_target(text, v, "<= 2", v <= 2,
                                f"p50 {fmt(p50['stats']['median'], 's')}, "
                                f"p99 {fmt(p99['stats']['median'], 's')}: {v:.3g}x"))
+    return out
+
+
+def _ingest_targets(figs) -> list[dict]:
+    """Issue 13's ingest targets: per-writer add vs an in-process ring; episodes vs memcpy."""
+    out = []
+    two = find(figs, "W1", "ingest", "add, 1 step/call, 2 writers", "shmbuf")
+    ring = find(figs, "W1", "ingest", "add, 1 step/call, 1 writer", "seed_ring")
+    text = "W1 add, 2 writers: each writer >= an in-process numpy ring's add (1 stream)"
+    if two and ring and two["stats"] and ring["stats"]:
+        v = two["stats"]["median"] / 2 / ring["stats"]["median"]
+        out.append(_target(text, v, ">= 1", v >= 1,
+                           f"{fmt(two['stats']['median'] / 2, '/s')} per writer / "
+                           f"{fmt(ring['stats']['median'], '/s')} = {v:.3g}x (ratio of medians)"))
+    else:
+        out.append(_target(text, None, ">= 1", None, "not run"))
+    ep = find(figs, "W1", "ingest", "500-step episode/call, 2 writers", "shmbuf")
+    cp = find(figs, "W1", "ingest", "500-step episode/call, 2 writers", "numpy_copy")
+    text = ("W1 extend of 500-step episodes, 2 writers: >= 60% of 2 processes copying the same "
+            "bytes")
+    if ep and cp and ep["stats"] and cp["stats"]:
+        v = ep["stats"]["median"] / cp["stats"]["median"]
+        out.append(_target(text, v, ">= 0.6", v >= 0.6,
+                           f"{fmt(ep['stats']['median'], '/s')} / "
+                           f"{fmt(cp['stats']['median'], '/s')} = {v:.3g}x (ratio of medians)"))
+    else:
+        out.append(_target(text, None, ">= 0.6", None, "not run"))
     return out
 
 

@@ -4,8 +4,8 @@ Each writer is built in a spawned child from the handle its backend pickled
 (a shmbuf buffer or facade attaches by name; cpprb and TorchRL send their
 shared memory; the Queue pipeline sends its queue).  ``write(mode, rows)``
 appends ``rows`` W1 rows: ``"add"`` one step per call, ``"batch16"`` 16 env
-rows per call (backends without a batch call loop over the 16 rows, as a
-user would).  Episodes end every 500 steps of each stream.  The rows are
+rows per call, ``"ep500"`` a whole 500-step episode per call (backends
+without such a call loop over the rows, as a user would).  Episodes end every 500 steps of each stream.  The rows are
 built once, outside the timed loop, in the form each API takes, so only
 the buffer's own cost is timed.
 
@@ -25,6 +25,7 @@ import numpy as np
 from _store_workload import EPISODE, _w1_rows, _write_add, _write_rows, touch_mapping
 
 BATCH_ROWS = 16
+EPISODE_ROWS = 500
 
 
 class _Rows:
@@ -34,6 +35,12 @@ class _Rows:
         self.one = _w1_rows(8, seed=wid)
         self.batch = _w1_rows(BATCH_ROWS, seed=100 + wid)
         self.batch_last = dict(self.batch, done=np.ones(BATCH_ROWS, np.bool_))
+        ep = _w1_rows(EPISODE_ROWS, seed=200 + wid)
+        ep["done"][-1] = True
+        self.episode = ep
+
+    def episodes(self, rows: int):
+        return [self.episode] * (rows // EPISODE_ROWS)
 
     def batches(self, rows: int):
         for call in range(rows // BATCH_ROWS):
@@ -49,6 +56,10 @@ class ShmbufWriter:
     def write(self, mode, rows):
         if mode == "add":
             _write_add(self.w, self.rows.one, rows)
+        elif mode == "ep500":
+            extend = self.w.extend
+            for ep in self.rows.episodes(rows):
+                extend(**ep)
         else:
             _write_rows(self.w, self.rows.batch, rows, batched=True)
 
@@ -72,8 +83,9 @@ class DreamerWriter:
                 add({"image": obs[i & 7]}, act[i & 7], float(i & 255),
                     float(i % EPISODE == EPISODE - 1))
             return
-        for cols in self.rows.batches(rows):
-            for j in range(BATCH_ROWS):
+        calls = self.rows.episodes(rows) if mode == "ep500" else self.rows.batches(rows)
+        for cols in calls:
+            for j in range(len(cols["done"])):
                 add({"image": cols["obs"][j]}, cols["action"][j], cols["reward"][j],
                     cols["done"][j])
 
@@ -94,7 +106,7 @@ class QueueWriter:
             for i in range(rows):
                 put((obs[i & 7], act[i & 7], float(i & 255), i % EPISODE == EPISODE - 1))
             return
-        for cols in self.rows.batches(rows):
+        for cols in (self.rows.episodes(rows) if mode == "ep500" else self.rows.batches(rows)):
             put((cols["obs"], cols["action"], cols["reward"], cols["done"]))
 
     def close(self):
@@ -117,7 +129,7 @@ class CpprbWriter:
                 add(obs=obs[i & 7], act=act[i & 7], rew=float(i & 255),
                     done=float(i % EPISODE == EPISODE - 1))
             return
-        for cols in self.rows.batches(rows):
+        for cols in (self.rows.episodes(rows) if mode == "ep500" else self.rows.batches(rows)):
             add(obs=cols["obs"], act=cols["action"], rew=cols["reward"], done=cols["done"])
 
     def close(self):
@@ -149,6 +161,7 @@ class TorchRLWriter:
         self.last = torchrl_td({k: (np.True_ if k == "done" else v[0]) for k, v in one.items()},
                                0)
         self.batch, self.batch_last = torchrl_td(rows.batch, 1), torchrl_td(rows.batch_last, 1)
+        self.episode = torchrl_td(rows.episode, 1)
         for leaf in rb.storage._storage.values(include_nested=True, leaves_only=True):
             _touch(leaf.numpy())
 
@@ -159,6 +172,10 @@ class TorchRLWriter:
                 add(self.last if i % EPISODE == EPISODE - 1 else self.steps[i & 7])
             return
         extend = self.rb.extend
+        if mode == "ep500":
+            for _ in range(rows // EPISODE_ROWS):
+                extend(self.episode)
+            return
         for call in range(rows // BATCH_ROWS):
             extend(self.batch_last if call % EPISODE == EPISODE - 1 else self.batch)
 
@@ -168,8 +185,10 @@ class TorchRLWriter:
 
 class MemcpyWriter:
     """The ingest ceiling: plain copies of the same bytes into a pre-touched /dev/shm
-    mapping, one row (``add``) or 16 contiguous rows (``batch16``) per call, no
-    bookkeeping; each writer cycles through its own quarter of the segment."""
+    mapping, one row (``add``), 16 contiguous rows (``batch16``) or 500 (``ep500``)
+    per call, no bookkeeping; each writer cycles through its own quarter of the
+    segment.  With ``ep500`` and 2 writers it is the machine's copy bandwidth for
+    two processes copying the same bytes at the same time."""
 
     def __init__(self, handle, wid):
         import mmap
@@ -185,8 +204,8 @@ class MemcpyWriter:
         self.a = np.frombuffer(self.mm, np.uint8).reshape(rows, row_bytes)
         _touch(self.a)
         quarter = rows // 4
-        self.lo, self.span = wid % 4 * quarter, quarter - BATCH_ROWS
-        self.src = np.random.default_rng(wid).integers(0, 256, (BATCH_ROWS, row_bytes),
+        self.lo, self.span = wid % 4 * quarter, quarter - EPISODE_ROWS
+        self.src = np.random.default_rng(wid).integers(0, 256, (EPISODE_ROWS, row_bytes),
                                                         dtype=np.uint8)
         self.pos = 0
 
@@ -196,7 +215,12 @@ class MemcpyWriter:
         if mode == "add":
             for i in range(rows):
                 a[lo + (pos + i) % span] = src[i & 15]
+        elif mode == "ep500":
+            for call in range(rows // EPISODE_ROWS):
+                j = lo + (pos + call * EPISODE_ROWS) % span
+                a[j:j + EPISODE_ROWS] = src
         else:
+            src = src[:BATCH_ROWS]
             for call in range(rows // BATCH_ROWS):
                 j = lo + (pos + call * BATCH_ROWS) % span
                 a[j:j + BATCH_ROWS] = src
