@@ -132,6 +132,12 @@ def take_ownership(mm, pid: int, start: int) -> int:
     return 0
 
 
+# Copy rows of step data into the segment (same bytes as a numpy assignment,
+# with streaming stores for big rows, then a store fence), so that the
+# publish that follows (a store-release) orders them: Writer.extend's copies.
+copy_rows = atomic.stream_copy
+
+
 @dataclasses.dataclass(frozen=True)
 class Counts:
     """Counters read in the one order that keeps them consistent (see ``Ring.counts``)."""

@@ -17,7 +17,7 @@ import numpy as np
 from ._cast import coerce, scalar_fast_path
 from ._errors import BufferClosedError
 from ._layout import EP_COLUMN, Layout
-from ._ring import Ring, Slot, Streams
+from ._ring import Ring, Slot, Streams, copy_rows
 
 # Forks of this process so far, counted in each child: a writer compares it
 # with the count it was bound at, instead of a getpid() system call per add.
@@ -238,8 +238,12 @@ class Writer:
         while at < n:
             row, room = s.room(0)
             k = min(room, n - at)
-            for (_, view, _, _), v in zip(self._cols, values):
-                view[row:row + k] = v[at:at + k]
+            for (_, view, dtype, _), v in zip(self._cols, values):
+                part = v[at:at + k]
+                if type(part) is np.ndarray and part.dtype == dtype and part.flags.c_contiguous:
+                    copy_rows(view[row:row + k], part)   # the same bytes, streamed
+                else:
+                    view[row:row + k] = part
             self._ep_col[row:row + k] = ep if np.ndim(ep) == 0 else ep[at:at + k]
             here = ends[(ends >= at) & (ends < at + k)] - at
             s.publish_run(0, k, here)
