@@ -41,7 +41,7 @@ import time
 import numpy as np
 
 from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
-from ._layout import EP_COLUMN, normalize_spec
+from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
 
 FORMAT, VERSION = "shmbuf-save", 1
 MANIFEST = "manifest.json"
@@ -190,7 +190,7 @@ class _Writer:
             "spec": {c.name: {"shape": list(c.shape), "dtype": c.dtype.str}
                      for c in lay.user_columns},
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
-            "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
+            "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
         }
 
     def close(self) -> None:
@@ -430,9 +430,14 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
         raise ValueError(f"capacity: a {facade!r} save keeps its own capacity "
                          f"({manifest['capacity']}); load it with capacity=None")
     same = capacity is None or capacity == manifest["capacity"]
+    # Loading replays every saved stream through a writer of its own, all open at once.
+    streams = len(np.unique(state["stream"])) if manifest["rows"] else 0
+    saved_writers = manifest.get("max_writers")
+    writers = max(streams + 1, saved_writers if isinstance(saved_writers, int) else 1, 128)
     buf = store.create({k: v for k, v in manifest["spec"].items()},
                        manifest["capacity"] if capacity is None else capacity, name=name,
                        chunk_size=manifest["chunk_size"] if same else None,
+                       max_writers=min(writers, NO_SLOT - 1),
                        done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
                        handle_signals=handle_signals)
     try:

@@ -321,3 +321,15 @@ def test_a_facade_saves_and_loads_as_itself(tmp_path):
             Memory.load(tmp_path / "rb")
         with pytest.raises(ValueError, match="keeps its own capacity"):
             shmbuf.load(tmp_path / "rb", capacity=10)
+
+
+def test_many_streams_load_back(make_buffer, tmp_path):
+    buf = make_buffer(SPEC, 4000, chunk_size=4, max_writers=4)
+    with buf.writer() as w:  # 200 env streams from one writer, interleaved in the save
+        for pos in range(6):
+            steps = [step_for(e, pos, 0, pos, False) for e in range(200)]
+            w.add_batch(**{k: np.stack([s[k] for s in steps]) for k in steps[0]})
+    buf.save(tmp_path / "many")
+    with shmbuf.load(tmp_path / "many") as back:
+        assert len(back) == 1200
+        verify_batch(back.sample_sequences(16, 6))
