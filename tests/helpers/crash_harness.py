@@ -262,11 +262,15 @@ def _tracked_writer_main(name: str, writer_id: int, published, episode_len: int)
 def _trainer_main(name: str, spec_capacity: tuple, status_fd: int) -> None:
     """Child body: create the buffer (first run) or adopt it, then sample and verify until killed."""
     capacity, chunk_size = spec_capacity
-    if name is None:
-        buf = shmbuf.create(SPEC, capacity, chunk_size=chunk_size, max_writers=16,
-                            handle_signals=False)
-    else:
-        buf = shmbuf.attach(name, own=True, handle_signals=False)
+    try:
+        if name is None:
+            buf = shmbuf.create(SPEC, capacity, chunk_size=chunk_size, max_writers=16,
+                                handle_signals=False)
+        else:
+            buf = shmbuf.attach(name, own=True, handle_signals=False)
+    except BaseException as exc:  # said on the pipe: the harness reports it
+        os.write(status_fd, f"error {type(exc).__name__}: {exc}\n".encode())
+        raise
     os.write(status_fd, f"{buf.name} {os.getpid()}\n".encode())
     for _ in range(10_000_000):
         try:
@@ -370,11 +374,15 @@ def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 4
             time.sleep(rng.uniform(0, 0.01))  # a random kill instant, not a sync
             _kill(trainer)
             trainer = _spawn(_trainer_main, name, (capacity, chunk_size), status_w)
-            got, pid = _read_status(status_r, HANG_SECONDS).split()
-            while got == "torn":  # reports of the dead trainer still in the pipe
+            said = _read_status(status_r, HANG_SECONDS)
+            while said == "torn":  # reports of the dead trainer still in the pipe
                 report.torn_windows += 1
-                got, pid = (_read_status(status_r, HANG_SECONDS).split() + [""])[:2]
-            if got == name and int(pid) == trainer and watcher.stats().owner_pid == trainer:
+                said = _read_status(status_r, HANG_SECONDS)
+            got, _, pid = said.partition(" ")
+            if got == "error":
+                report.errors.append(f"round {report.rounds}: the restarted trainer failed: {pid}")
+                continue
+            if got == name and pid == str(trainer) and watcher.stats().owner_pid == trainer:
                 report.adoptions += 1
             else:
                 report.errors.append(f"round {report.rounds}: trainer {trainer} said {got} {pid}")
