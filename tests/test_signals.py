@@ -157,7 +157,7 @@ def test_handle_signals_false_installs_nothing():
     finally:
         owner.close()
         if name and shm_exists(name):
-            cli.main(["gc"])
+            cli.main(["rm", name])  # its owner is dead: no --force needed
             assert not shm_exists(name)
 
 
