@@ -13,8 +13,6 @@ setup(
         Extension(
             "shmbuf._windows",
             sources=["shmbuf/_windows.c"],
-    ]
-)
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
@@ -22,3 +20,5 @@ setup(
             sources=["shmbuf/_exitsig.c"],
             extra_compile_args=["-std=c11", "-O2"],
         ),
+    ]
+)
