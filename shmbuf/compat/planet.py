@@ -59,7 +59,7 @@ class Memory(Facade):
     ``Memory()`` (``size=None``, upstream's default: no bound on episodes)
     never evicts.  A shared segment cannot grow, so its store is 1 GiB (at
     most a million rows; ``capacity=`` to choose), sized at the first append
-    from the row size, e.g. 21,800 steps of ``(3, 64, 64)`` float32 frames,
+    from the row size, e.g. about 21,800 steps of ``(3, 64, 64)`` float32 frames,
     and an append that does not fit raises ``MemoryFullError`` and writes
     nothing.  The room is checked before writing; appends from several
     processes at the same instant share it without a lock, so size it with
@@ -247,7 +247,7 @@ class Memory(Facade):
         return None if self.buffer is None else self.buffer.episodes(newest=self.max_episodes)
 
     # -- writing ------------------------------------------------------------------
-    def append(self, episodes) -> None:
+    def append(self, episodes: "Episode | list[Episode]") -> None:
         """Write terminated episodes into the shared memory, each as one contiguous run.
 
         Works from any process holding the Memory.  Every episode is checked
