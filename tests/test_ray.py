@@ -12,6 +12,7 @@ environment; the module's teardown waits for all of them to be gone.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -25,8 +26,7 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # driver resolves loopback
-TAG = f"shmbuf-ray-test-{os.getpid()}"
-os.environ["SHMBUF_RAY_TEST_TAG"] = TAG        # inherited by every node and worker
+TAG = f"shmbuf-ray-test-{os.getpid()}"        # in the environment of every node and worker
 
 import ray  # noqa: E402
 from ray._private import ray_constants  # noqa: E402
@@ -56,8 +56,22 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers canno
 
 
 # -- processes and sockets of this module's cluster -------------------------------------------
+@contextlib.contextmanager
+def tagged():
+    """Tag the processes started inside (nodes), and only them: not other tests' children."""
+    os.environ["SHMBUF_RAY_TEST_TAG"] = TAG
+    try:
+        yield
+    finally:
+        del os.environ["SHMBUF_RAY_TEST_TAG"]
+
+
 def tagged_pids() -> list[int]:
-    """Live processes whose environment carries this module's tag (root may read any)."""
+    """Live Ray processes whose environment carries this module's tag (root may read any).
+
+    Only the cluster's processes carry it: the fixture sets it while it starts the
+    nodes (raylets pass their environment on to the workers they start later).
+    """
     needle = f"SHMBUF_RAY_TEST_TAG={TAG}\0".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -66,11 +80,13 @@ def tagged_pids() -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as f:
                 env = f.read()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
             with open(f"/proc/{entry}/stat") as f:
                 zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
         except OSError:
             continue
-        if needle in env and not zombie:
+        if needle in env and b"ray" in cmdline and not zombie:
             found.append(int(entry))
     return found
 
@@ -116,10 +132,11 @@ def cluster():
     """Head n0 (+ this driver) and workers n1 (shard) and n2 (no shard); torn down always."""
     c = Cluster(shutdown_at_exit=False)
     try:
-        c.add_node(resources={"n0": 100, "shard": 1}, **HEAD_ARGS)
-        nodes = {"n0": c.head_node,
-                 "n1": c.add_node(resources={"n1": 100, "shard": 1}, **NODE_ARGS),
-                 "n2": c.add_node(resources={"n2": 100}, **NODE_ARGS)}
+        with tagged():
+            c.add_node(resources={"n0": 100, "shard": 1}, **HEAD_ARGS)
+            nodes = {"n0": c.head_node,
+                     "n1": c.add_node(resources={"n1": 100, "shard": 1}, **NODE_ARGS),
+                     "n2": c.add_node(resources={"n2": 100}, **NODE_ARGS)}
         c.wait_for_nodes(timeout=T)
         ray.init(address=c.address, namespace=NS, log_to_driver=False)
         ids = {k: n.node_id for k, n in nodes.items()}
@@ -240,7 +257,8 @@ def test_one_shard_per_node_and_writers_use_shared_memory_only_on_their_own_node
     batch = rb.sample_sequences(64, 10)
     check_windows(batch, 10)
     assert set(np.unique(batch["wid"])) <= {0, 1, 2}
-    assert shm_maps() == [shards[ids["n0"]].buffer]        # the driver read n1 over Ray
+    mine = set(shm_maps()) & {s.buffer for s in shards.values()}   # other tests' aside
+    assert mine == {shards[ids["n0"]].buffer}              # the driver read n1 over Ray
     stats = {s.node_id: s for s in rb.stats()}
     assert stats[n2["node"]].steps_received == 400 and stats[n2["node"]].remote_writers == 1
     assert sum(s.steps_written for s in stats.values()) == 1100
@@ -354,7 +372,8 @@ def test_dreamer_facade_samples_across_shards(cluster):
 
 def test_a_dead_node_is_dropped_and_its_writers_get_a_clear_error(cluster, rb, caplog):
     c, ids, agents = cluster
-    extra = c.add_node(resources={"n3": 100, "shard": 1}, **NODE_ARGS)
+    with tagged():
+        extra = c.add_node(resources={"n3": 100, "shard": 1}, **NODE_ARGS)
     try:
         assert rb.refresh()["added"] == [extra.node_id]
         assert rb.refresh() == {"added": [], "dropped": []}
@@ -401,8 +420,18 @@ def test_a_dead_shard_actor_is_replaced_by_refresh(cluster, rb):
         assert new.buffer in got["maps"]
         check_windows(rb.sample_sequences(16, 10), 10)
         ray.get(agents["n1"].run.remote(close_writer, 4), timeout=T)
+        here = next(s for s in rb.shards if s.node_id == ids["n0"])
+        rb.sample_sequences(4, 10)                       # attaches this node's shard
+        ray.kill(here.actor, no_restart=True)            # the trainer's own node's shard
+        deadline = time.monotonic() + T
+        while ids["n0"] in {s.node_id for s in rb.shards}:   # noticed within a second
+            assert time.monotonic() < deadline, "the dead local shard was never dropped"
+            batch = rb.sample_sequences(16, 10)
+        check_windows(batch, 10)
+        assert set(np.unique(batch["wid"])) == {4}        # all from the new n1 shard
     finally:
         _remove_segment(old.buffer)
+        _remove_segment(locals().get("here") and here.buffer)
 
 
 def _remove_segment(name: str | None) -> None:
@@ -431,6 +460,7 @@ def test_a_restarted_trainer_reconnects_by_name(cluster):
     c, ids, _ = cluster
     name = f"trainer-{os.getpid()}"
     proc = subprocess.Popen([sys.executable, "-c", TRAINER, c.address, NS, name],
+                            env=dict(os.environ, SHMBUF_RAY_TEST_TAG=TAG),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     rb = None
     try:

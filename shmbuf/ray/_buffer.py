@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 import ray
@@ -15,6 +16,7 @@ from shmbuf.ray._shard import META_KEY, node_id
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 
 log = logging.getLogger("shmbuf.ray")
+_LOCAL_CHECK_S = 1.0
 
 @dataclasses.dataclass(frozen=True)
 class ShardStats:
@@ -63,6 +65,7 @@ class ShardedBuffer:
         self._rng = np.random.default_rng(seed)
         self._timeout = float(timeout_s)
         self._attachments: dict[str, shmbuf.Buffer] = {}
+        self._local_checked = 0.0
         self._counts = _sampler.Counts()
         self.timing = _sampler.new_timing()
         self._closed = False
@@ -160,6 +163,18 @@ class ShardedBuffer:
     def _local_shard(self) -> ShardEntry | None:
         return self._entries.get(node_id())
 
+    def _local_alive(self, entry: ShardEntry) -> bool:
+        """Is this node's shard process alive?  Checked at most once a second; a dead
+        one is dropped like a remote shard whose call failed."""
+        now = time.monotonic()
+        if now - self._local_checked < _LOCAL_CHECK_S:
+            return True
+        self._local_checked = now
+        if self._attached(entry).stats().owner_alive:
+            return True
+        self._lost(entry, ShardLostError(f"{self._describe(entry)}: its process died"))
+        return False
+
     # -- sampling ---------------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
@@ -249,8 +264,6 @@ class ShardedBuffer:
 
     def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
         """Poll ``stats()`` until the live shards hold ``min_steps`` steps; return the sum."""
-        import time
-
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.01
         while True:

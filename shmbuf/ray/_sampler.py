@@ -124,9 +124,9 @@ def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
         got = rb._counts.get([shards[i] for i in remote], length, tail, rb._timeout, rb._lost)
         counts[remote] = got
     for i, s in enumerate(shards):
-        if s is local:
+        if s is local and rb._local_alive(s):
             counts[i] = valid_starts(rb._attached(s), length, tail, rng)
-        elif not rb._is_live(s):
+        elif s is local or not rb._is_live(s):
             counts[i] = 0
     total = counts.sum()
     if total <= 0:
@@ -160,7 +160,11 @@ def finish(rb, p: Plan, out: dict, rng: np.random.Generator, timing: dict) -> di
 def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) -> None:
     t0 = time.perf_counter()
     if part.ref is None:
-        _sample_local(rb, p, part, dest, rng)
+        try:
+            _sample_local(rb, p, part, dest, rng)
+        except NotEnoughDataError:     # its windows were recycled since it was counted
+            _redo(rb, p, part, dest, rng, timing, exclude + (part.shard.node_id,))
+            return
         timing["local_s"] += time.perf_counter() - t0
         timing["local_windows"] += part.n
         return

@@ -215,6 +215,12 @@ class ShippingWriter:
         raise TypeError("a writer belongs to one process; pass the ShardedBuffer to the "
                         "worker and call rb.writer() there")
 
+    def __del__(self):
+        try:        # ship what is staged, like a core Writer seals its chunks when dropped
+            self.close()
+        except Exception:
+            pass
+
     # -- blocks ---------------------------------------------------------------------------
     def _check(self, columns: dict, verb: str) -> None:
         self._check_alive()
