@@ -63,8 +63,8 @@ def gil_stalls(buf) -> dict:
     import hashlib
 
     src = buf.arrays["obs"]
-    idx = np.random.default_rng(0).integers(0, len(src), (L, 2 * B))
-    out = np.empty((L, 2 * B) + src.shape[1:], src.dtype)
+    idx = np.random.default_rng(0).integers(0, len(src), (L, 16 * B))
+    out = np.empty((L, 16 * B) + src.shape[1:], src.dtype)
     np.take(src, idx, axis=0, out=out, mode="clip")   # pages of out mapped first
 
     def timed(fn):
@@ -97,10 +97,13 @@ def overlap(buf, steps: int) -> dict:
 
     torch.set_num_threads(1)
     out = {k: np.empty((L, B) + s, d) for k, (s, d) in W1_SPEC.items()}
-    sample_s = _median_time(lambda: buf.sample_sequences(B, L, out=out), 15)
     a = torch.randn(256, 256)
-    mm_s = _median_time(lambda: a @ a, 30)
-    reps = max(1, round(sample_s / mm_s))
+    ratios = []
+    for _ in range(9):   # interleaved, so that a change of load hits both alike
+        sample_s = _median_time(lambda: buf.sample_sequences(B, L, out=out), 3)
+        ratios.append(sample_s / _median_time(lambda: a @ a, 9))
+    reps = max(1, round(statistics.median(ratios)))
+    sample_s = _median_time(lambda: buf.sample_sequences(B, L, out=out), 15)
 
     def compute():
         for _ in range(reps):
