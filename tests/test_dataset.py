@@ -152,6 +152,7 @@ def test_a_worker_reuses_the_memory_the_trainer_freed(make_buffer):
     assert all(torch.equal(b["x"], copy) for b, copy in kept)
 
 
+@pytest.mark.slow
 def test_kept_batches_are_never_overwritten(make_buffer):
     """The trainer keeps every batch: the worker runs out of regions and carries on."""
     buf = _filled(make_buffer)
