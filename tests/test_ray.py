@@ -100,15 +100,16 @@ def wait_no_tagged(timeout: float) -> list[int]:
         time.sleep(0.2)
 
 
-def listening_sockets(pids: set[int]) -> list[tuple[str, int]]:
-    """``(local address, pid)`` of every listening TCP socket owned by ``pids``."""
-    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+def tcp_sockets(pids: set[int], listening: bool) -> list[tuple[str, str, int]]:
+    """``(local, peer, pid)`` of the listening (or the other) TCP sockets of ``pids``."""
+    cmd = ["ss", "-Hltnp"] if listening else ["ss", "-Htnp"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
     found = []
     for line in out.splitlines():
         fields = line.split()
         for pid in re.findall(r"pid=(\d+)", line):
             if int(pid) in pids:
-                found.append((fields[3], int(pid)))
+                found.append((fields[3], fields[4], int(pid)))
     return found
 
 
@@ -228,14 +229,24 @@ def rb(cluster):
 
 
 # -- the tests -------------------------------------------------------------------------------
-def test_every_ray_socket_listens_on_loopback(cluster):
+LOOPBACK = re.compile(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):(\d+|\*)$")
+
+
+def test_every_ray_socket_is_on_loopback(cluster, rb):
+    _, _, agents = cluster
+    ray.get(agents["n1"].run.remote(write_episodes, rb, 1, 200), timeout=T)
+    rb.sample_sequences(8, 10)                          # traffic between the nodes
     pids = set(tagged_pids()) | {os.getpid()}
-    sockets = listening_sockets(pids)
-    owners = {_comm(pid) for _, pid in sockets}
+    listening = tcp_sockets(pids, listening=True)
+    owners = {_comm(pid) for _, _, pid in listening}
     assert {"gcs_server", "raylet"} <= owners, f"the check would prove nothing: {owners}"
-    foreign = [(addr, pid) for addr, pid in sockets
-               if not re.match(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+$", addr)]
+    foreign = [(local, pid) for local, _, pid in listening if not LOOPBACK.match(local)]
     assert not foreign, f"Ray listens on a non-loopback address: {foreign}"
+    connected = tcp_sockets(pids, listening=False)
+    assert connected, "found no connection of the cluster: the check would prove nothing"
+    foreign = [s for s in connected if not (LOOPBACK.match(s[0]) and LOOPBACK.match(s[1]))]
+    assert not foreign, f"Ray talks to a non-loopback address: {foreign}"
+    ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)
 
 
 def test_one_shard_per_node_and_writers_use_shared_memory_only_on_their_own_node(cluster, rb):
