@@ -170,7 +170,10 @@ class BatchDataset(IterableDataset):
         from ._handoff import SlotPool
 
         if self._slot_pool is None or self._slot_pool[0] != os.getpid():
-            self._slot_pool = (os.getpid(), SlotPool(self._spec, self._lead(), torch_dtype))
+            # torch's private _new_shared: without it, fresh shared memory per batch
+            pool = (SlotPool(self._spec, self._lead(), torch_dtype)
+                    if hasattr(torch.UntypedStorage, "_new_shared") else None)
+            self._slot_pool = (os.getpid(), pool)
         return self._slot_pool[1]
 
     def _lead(self) -> tuple:
