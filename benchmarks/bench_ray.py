@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -59,6 +60,7 @@ from _store_workload import EPISODE, W1_SPEC  # noqa: E402
 import shmbuf.ray as sray  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_ray.json"
+TAG = f"bench-ray-{os.getpid()}-"
 MB = 1e6
 T = 120                     # seconds: the bound on every ray.get
 NODE = dict(node_ip_address="127.0.0.1", num_cpus=1, object_store_memory=200 << 20)
@@ -344,6 +346,36 @@ def run_fetch(rep: Report, w: dict, reps: int) -> None:
     rep.add("fetch", "n0 -> n0 (same object store, mapped)", med(near), "s/MB")
 
 
+def report_leftovers() -> None:
+    """Kill and name any Ray process or shmbuf segment of this run still there (30 s grace)."""
+    needle = f"SHMBUF_BENCH_RAY_TAG={TAG}\0".encode()
+    deadline = time.monotonic() + 30
+    while True:
+        procs = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read()
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    tagged = needle in env and b"ray" in f.read()
+            except OSError:
+                continue
+            if tagged and int(pid) != os.getpid():
+                procs.append(int(pid))
+        if not procs or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    segments = [n for n in os.listdir("/dev/shm") if n.startswith("shmbuf-" + TAG)]
+    for pid in procs:
+        os.kill(pid, signal.SIGKILL)
+    for name in segments:
+        os.unlink(os.path.join("/dev/shm", name))
+    if procs or segments:
+        print(f"LEFTOVERS (removed now): Ray processes {procs}, segments {segments}")
+    else:
+        print("no Ray process and no shmbuf segment of this run is left")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and batches")
@@ -354,9 +386,13 @@ def main() -> None:
     rep = Report()
     started = time.time()
     try:
-        c.add_node(resources={"n0": 100}, include_dashboard=False, **NODE)
-        nodes = {"n0": c.head_node, "n1": c.add_node(resources={"n1": 100}, **NODE),
-                 "n2": c.add_node(resources={"n2": 100}, **NODE)}
+        os.environ.update({"SHMBUF_NAME_TAG": TAG, "SHMBUF_BENCH_RAY_TAG": TAG})
+        try:      # the nodes and every worker inherit both: leftovers are recognisable
+            c.add_node(resources={"n0": 100}, include_dashboard=False, **NODE)
+            nodes = {"n0": c.head_node, "n1": c.add_node(resources={"n1": 100}, **NODE),
+                     "n2": c.add_node(resources={"n2": 100}, **NODE)}
+        finally:
+            del os.environ["SHMBUF_BENCH_RAY_TAG"]
         c.wait_for_nodes(timeout=T)
         ray.init(address=c.address, namespace=f"bench-ray-{os.getpid()}", log_to_driver=False)
         ids = {k: n.node_id for k, n in nodes.items()}
@@ -374,8 +410,11 @@ def main() -> None:
             rb.close()
         run_fetch(rep, workers, args.reps)
     finally:
-        ray.shutdown()
-        c.shutdown()
+        try:
+            ray.shutdown()
+        finally:
+            c.shutdown()
+            report_leftovers()
     print(f"load average (1 min) at the end: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cpus")
     out = {"benchmark": "bench_ray", "quick": args.quick, "reps": args.reps,
            "seconds": time.time() - started, "python": platform.python_version(),
