@@ -272,6 +272,9 @@ def test_one_shard_per_node_and_writers_use_shared_memory_only_on_their_own_node
     assert mine == {shards[ids["n0"]].buffer}              # the driver read n1 over Ray
     stats = {s.node_id: s for s in rb.stats()}
     assert stats[n2["node"]].steps_received == 400 and stats[n2["node"]].remote_writers == 1
+    assert sum(s.steps_received for s in stats.values()) == 400   # no RPC for n0's, n1's
+    reply = ray.get(shards[ids["n1"]].actor.sample.remote(8, 10, 0, True, 0), timeout=T)
+    assert not reply["obs"].flags.writeable       # read in place from the object store
     assert sum(s.steps_written for s in stats.values()) == 1100
     assert all(s.health == "ok" for s in stats.values())
     here.close()
