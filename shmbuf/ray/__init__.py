@@ -18,6 +18,7 @@ Example:
 """
 from __future__ import annotations
 
+import logging
 import uuid
 
 import ray
@@ -25,10 +26,11 @@ import ray
 from shmbuf.ray._buffer import ShardedBuffer, ShardStats
 from shmbuf.ray._placement import (DEFAULT_NAMESPACE, ShardEntry, alive_nodes, check_name,
                                    make_entry, shard_actors, start_shards)
-from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError
+from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError, is_loss
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
 from shmbuf.ray.dreamer import ReplayBuffer
 
+log = logging.getLogger("shmbuf.ray")
 _OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault")
 
 
@@ -94,12 +96,22 @@ def connect(name: str, *, namespace: str = DEFAULT_NAMESPACE, own: bool = False,
     """
     check_name(name)
     actors = shard_actors(name, namespace)
-    if not actors:
+    refs = [a.info.remote() for a in actors]
+    entries, infos = [], []
+    for a, ref in zip(actors, refs):
+        try:
+            infos.append(ray.get(ref, timeout=timeout_s))
+        except Exception as exc:   # a node dying right now: connect to the others
+            if not is_loss(exc):
+                raise
+            log.warning("shmbuf.ray.connect(%r): a shard did not answer (%s); skipped",
+                        name, type(exc).__name__)
+            continue
+        entries.append(make_entry(a, infos[-1]))
+    if not entries:
         raise ShardedBufferNotFoundError(
             f"no live shard of {name!r} in Ray namespace {namespace!r}: it was closed, its "
             "nodes died, or it lives in another namespace or cluster")
-    infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
-    entries = [make_entry(a, i) for a, i in zip(actors, infos)]
     first = infos[0]
     return ShardedBuffer(name, namespace, first["spec"], first["capacity"], first["options"],
                          first["node_resource"], entries, owner=own, seed=seed,

@@ -93,4 +93,10 @@ def shard_actors(name: str, namespace: str) -> list:
     prefix = name + "/"
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == namespace and a["name"].startswith(prefix)]
-    return [ray.get_actor(n, namespace=namespace) for n in sorted(names)]
+    actors = []
+    for n in sorted(names):
+        try:
+            actors.append(ray.get_actor(n, namespace=namespace))
+        except ValueError:      # it died between the listing and now
+            continue
+    return actors
