@@ -276,7 +276,8 @@ def test_one_shard_per_node_and_writers_use_shared_memory_only_on_their_own_node
     reply = ray.get(shards[ids["n1"]].actor.sample.remote(8, 10, 0, True, 0), timeout=T)
     assert not reply["obs"].flags.writeable       # read in place from the object store
     assert sum(s.steps_written for s in stats.values()) == 1100
-    assert all(s.health == "ok" for s in stats.values())
+    assert all(s.health == "ok" and s.ingest_steps_per_s > 0 for s in stats.values())
+    assert stats[ids["n1"]].samples_per_s > 0                 # it served the global batch
     here.close()
     ray.get(agents["n2"].run.remote(close_writer, 2), timeout=T)
     ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)

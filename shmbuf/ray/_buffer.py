@@ -22,8 +22,10 @@ _LOCAL_CHECK_S = 1.0
 class ShardStats:
     """One shard's entry in ``ShardedBuffer.stats()``.
 
-    ``health`` is ``"ok"``, or ``"lost"`` with ``error`` saying why; a lost
-    shard's counters are those of its last answer (zeros if none).
+    ``health`` is ``"ok"``, or ``"lost"`` with ``error`` saying why (a lost
+    shard's counters are zeros).  The rates (steps written by every writer of
+    the shard, and remote batches it served, per second) run from the previous
+    ``stats()`` call that reached the shard, from any process, or its start.
     """
 
     node_id: str
@@ -37,6 +39,7 @@ class ShardStats:
     writers: int = 0
     remote_writers: int = 0
     ingest_steps_per_s: float = 0.0
+    samples_per_s: float = 0.0
     steps_received: int = 0
     blocks_received: int = 0
     samples_served: int = 0

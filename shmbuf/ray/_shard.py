@@ -64,7 +64,7 @@ class Shard:
         self._inboxes: dict[str, _Inbox] = {}
         self._lock = threading.Lock()
         self._received = {"blocks": 0, "steps": 0, "samples": 0, "sampled_windows": 0}
-        self._last_rate = (time.monotonic(), 0)
+        self._last_rate = (time.monotonic(), 0, 0)
         self._closed = False
         log.info("shard of %s on node %s: buffer %s", rb_name, self._node, self._buf.name)
 
@@ -138,13 +138,17 @@ class Shard:
         self._check_open()
         s = self._buf.stats()
         now = time.monotonic()
-        t0, w0 = self._last_rate
-        self._last_rate = (now, s.steps_written)
-        rate = (s.steps_written - w0) / (now - t0) if now > t0 else 0.0
+        t0, w0, b0 = self._last_rate
+        served = self._received["samples"]
+        self._last_rate = (now, s.steps_written, served)
+        dt = now - t0
+        rate = (s.steps_written - w0) / dt if dt > 0 else 0.0
+        sample_rate = (served - b0) / dt if dt > 0 else 0.0
         return {"node_id": self._node, "buffer": self._buf.name, "capacity": s.capacity,
                 "live_steps": s.live_steps, "steps_written": s.steps_written,
                 "episodes": s.episodes, "writers": s.writers,
                 "remote_writers": len(self._inboxes), "ingest_steps_per_s": rate,
+                "samples_per_s": sample_rate,
                 "blocks_received": self._received["blocks"],
                 "steps_received": self._received["steps"],
                 "samples_served": self._received["samples"],
