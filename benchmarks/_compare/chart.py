@@ -87,7 +87,7 @@ def _w1_ingest(ax, figs):
     names = dict(SHORT, numpy_copy="memcpy into\n/dev/shm (ceiling)")
     ax.set_xticklabels([names.get(k, k) for k in keys], fontsize=6.5)
     if rows:
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=5.5, ncol=3)   # nine series (3 modes x 3 writer counts)
     _mark_failed(ax, figs, "W1", "ingest", keys)
 
 
