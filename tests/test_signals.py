@@ -90,6 +90,7 @@ def test_sigterm_runs_finalizers_of_buffers_outside_with_blocks():
 def test_a_second_sigterm_during_cleanup_ends_the_process_at_once():
     owner = owner_script(wait="""
         try:
+            print("waiting", flush=True)
             while True: time.sleep(1)
         finally:
             print("cleaning", flush=True)
@@ -98,6 +99,7 @@ def test_a_second_sigterm_during_cleanup_ends_the_process_at_once():
     name = None
     try:
         name = owner.json()["name"]
+        assert owner.line() == "waiting"
         owner.signal(signal.SIGTERM)
         assert owner.line() == "cleaning"
         owner.signal(signal.SIGTERM)
