@@ -8,6 +8,9 @@ A save is a directory that numpy alone can read:
   COLUMN.npy      one per column: (n, *shape), the steps in the order below
   _stream.npy     (n,) int64: the stream of each step (a new id where a stream has a gap)
   _episode.npy    (n,) int64: the episode number of each step within its stream
+  _ends.npy       (n,) int64: where a finished episode ends, the number it had in the
+                  buffer's episode index (the order episodes ended), else -1
+  _chunks.npy     (c,) int64: the first row of each saved chunk, in claim order
 
 ``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
 Why this format: it is columnar like the buffer, so saving is one write per
@@ -45,9 +48,10 @@ from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
 
 FORMAT, VERSION = "shmbuf-save", 1
 MANIFEST = "manifest.json"
-STREAM, EPISODE = "_stream", "_episode"
+STREAM, EPISODE, ENDS, CHUNKS = "_stream", "_episode", "_ends", "_chunks"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
+INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
 
 
 # -- .npy files that grow ------------------------------------------------------------
@@ -131,6 +135,16 @@ class _Writer:
                                        rows)
         self.columns[EPISODE] = _Column(os.path.join(self.path, EPISODE + ".npy"), np.int64,
                                         (), rows)
+        self.columns[ENDS] = _Column(os.path.join(self.path, ENDS + ".npy"), np.int64, (), rows)
+        self.chunk_starts = _Column(os.path.join(self.path, CHUNKS + ".npy"), np.int64, ())
+        self.n_chunks = 0
+        # Episode ends, so that loading ends every finished episode (a cut one too, at the
+        # end of a stream) in the order they ended: the last saved row of each (stream,
+        # episode), each stream's newest episode saved, and index entries not matched yet.
+        self.last_row: dict[tuple[int, int], int] = {}
+        self.newest_ep: dict[int, int] = {}
+        self.pending: dict[tuple[int, int], int] = {}
+        self.logged = max(0, self.ring.episodes_logged() - self.ring.layout.episode_slots)
         self.rows = rows          # rows written and validated
         self.committed = rows     # rows the manifest names
         self.successor: dict[int, tuple[int, int]] = {}  # stream -> (chunk, seq) it links to
@@ -146,15 +160,23 @@ class _Writer:
             chunk, seq = int(chunks.chunk[i]), int(chunks.seq[i])
             count, stream, base = int(chunks.count[i]), int(chunks.stream[i]), int(chunks.base[i])
             rows = slice(base, base + count)
+            eps = self.views[EP_COLUMN][rows].copy()  # 8 bytes a row: the only copy
             for name, col in self.columns.items():
-                if name != STREAM:  # straight from the mapping: no copy held here
-                    col.write(self.rows, self.views[EP_COLUMN if name == EPISODE else name][rows])
+                if name not in (STREAM, EPISODE, ENDS):  # straight from the mapping
+                    col.write(self.rows, self.views[name][rows])
             if not self.ring.unchanged(chunks.chunk[i:i + 1], chunks.seq[i:i + 1])[0]:
                 self.dropped += 1
                 continue  # recycled while written: the next chunk overwrites these rows
+            self.columns[EPISODE].write(self.rows, eps)
+            self.columns[ENDS].write(self.rows, np.full(count, -1, np.int64))
             self.columns[STREAM].write(self.rows, np.full(
                 count, self._stream_id(stream, chunk, seq), np.int64))
+            self.chunk_starts.write(self.n_chunks, np.array([self.rows], np.int64))
+            self.n_chunks += 1
             self.successor[stream] = (int(nxt[i]), int(nxt_seq[i]))
+            for ep, back in zip(*np.unique(eps[::-1], return_index=True)):
+                self.last_row[(stream, int(ep))] = self.rows + count - 1 - int(back)
+            self.newest_ep[stream] = max(self.newest_ep.get(stream, -1), int(eps.max()))
             self.rows += count
         for col in self.columns.values():
             col.truncate(self.rows)  # drop what a recycled last chunk left
@@ -170,15 +192,43 @@ class _Writer:
             self.next_gap_id += 1
         return self.saved_id[stream]
 
+    def mark_ends(self, final: bool) -> None:
+        """Write, at the last saved row of each finished episode, its index number.
+
+        Until the save is final, an episode's last saved row counts only once
+        its stream has saved a later episode (more of it may still come).
+        """
+        ring = self.ring
+        hi = ring.episodes_logged()
+        lo = max(self.logged, hi - ring.layout.episode_slots)
+        for at in range(lo, hi, INDEX_BATCH):  # a bounded slice of the index at a time
+            done = ring.read_episodes(np.arange(at, min(at + INDEX_BATCH, hi), dtype=np.int64))
+            for stream, ep, index in zip(done.stream.tolist(), done.ep.tolist(),
+                                         done.index.tolist()):
+                self.pending[(stream, ep)] = index
+        self.logged = hi
+        oldest = hi - ring.layout.episode_slots
+        for key, index in list(self.pending.items()):
+            row = self.last_row.get(key)
+            moved_on = self.newest_ep.get(key[0], -1) > key[1]
+            if row is not None and (final or moved_on):
+                self.columns[ENDS].write(row, np.array([index], np.int64))
+                del self.pending[key]
+            elif moved_on or index < oldest:
+                del self.pending[key]  # its rows were recycled before they were saved
+
     def commit(self, *, following: bool, durable: bool) -> None:
         """Make the rows written so far the save: headers, then the manifest (renamed in)."""
+        self.mark_ends(final=not following)
+        self.chunk_starts.commit(self.n_chunks)
+        files = list(self.columns.values()) + [self.chunk_starts]
         if durable:
-            for col in self.columns.values():
+            for col in files:
                 col.sync()
         for col in self.columns.values():
             col.commit(self.rows)
         if durable:
-            for col in self.columns.values():
+            for col in files:
                 col.sync()
         _write_manifest(self.path, self._manifest(following), durable)
         self.committed = self.rows
@@ -186,7 +236,8 @@ class _Writer:
     def _manifest(self, following: bool) -> dict:
         lay, buf = self.ring.layout, self.buf
         return {
-            "format": FORMAT, "version": VERSION, "rows": self.rows, "following": following,
+            "format": FORMAT, "version": VERSION, "rows": self.rows, "chunks": self.n_chunks,
+            "following": following,
             "spec": {c.name: {"shape": list(c.shape), "dtype": c.dtype.str}
                      for c in lay.user_columns},
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
@@ -194,7 +245,7 @@ class _Writer:
         }
 
     def close(self) -> None:
-        for col in self.columns.values():
+        for col in list(self.columns.values()) + [self.chunk_starts]:
             col.close()
 
 
@@ -358,11 +409,11 @@ def read_manifest(path) -> dict:
     if manifest.get("version") != VERSION:
         raise _bad(path, f"it has save format version {manifest.get('version')!r} but this "
                          f"shmbuf reads version {VERSION}")
-    for key, kind in (("rows", int), ("capacity", int), ("chunk_size", int), ("meta", dict),
-                      ("spec", dict)):
+    for key, kind in (("rows", int), ("chunks", int), ("capacity", int), ("chunk_size", int),
+                      ("meta", dict), ("spec", dict)):
         value = manifest.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < (0 if key == "rows" else 1)):
+                kind is int and value < (0 if key in ("rows", "chunks") else 1)):
             raise _bad(path, f"manifest field {key!r} is {value!r}")
     try:
         manifest["spec"] = normalize_spec({k: (tuple(v["shape"]), v["dtype"])
@@ -408,13 +459,19 @@ def open_save(path) -> tuple[dict, dict]:
     rows = manifest["rows"]
     columns = {k: _open_column(path, k, dt, shape, rows)
                for k, (shape, dt) in manifest["spec"].items()}
-    stream = _open_column(path, STREAM, np.dtype(np.int64), (), rows)
-    episode = _open_column(path, EPISODE, np.dtype(np.int64), (), rows)
+    i8 = np.dtype(np.int64)
+    stream = _open_column(path, STREAM, i8, (), rows)
+    episode = _open_column(path, EPISODE, i8, (), rows)
+    ends = _open_column(path, ENDS, i8, (), rows)
+    chunks = _open_column(path, CHUNKS, i8, (), manifest["chunks"])
+    if len(chunks) and (chunks[0] != 0 or (np.diff(chunks) <= 0).any() or chunks[-1] >= rows):
+        raise _bad(path, f"{CHUNKS}.npy does not list increasing chunk starts within the rows")
     from ._checkpoint import FORMAT as STATE_FORMAT
 
     state = {"format": STATE_FORMAT,
              "spec": {k: (list(shape), dt.str) for k, (shape, dt) in manifest["spec"].items()},
-             "columns": columns, "stream": stream, "episode": episode}
+             "columns": columns, "stream": stream, "episode": episode, "ends": ends,
+             "chunks": chunks}
     return manifest, state
 
 
