@@ -354,6 +354,12 @@ def test_prefetch_yields_valid_batches_and_stops(cluster, rb):
     ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)
 
 
+def test_a_writer_for_a_node_without_a_shard_is_refused(cluster, rb):
+    _, ids, _ = cluster
+    with pytest.raises(sray.ShardLostError, match=ids["n2"]):
+        rb.writer(shard=ids["n2"])
+
+
 def test_pickled_handles_never_close_the_shards(cluster, rb):
     _, _, agents = cluster
     copy = ray.get(agents["n1"].run.remote(lambda state, r: r, rb), timeout=T)

@@ -113,13 +113,16 @@ class ShardedBuffer:
                 shard if any, else one chosen at random).
 
         Raises:
-            ShardLostError: no live shard.
+            ShardLostError: no live shard (on node ``shard``, if given).
 
         Example:
             >>> w = rb.writer(); w.add(obs=o, action=a, reward=r, done=d); w.close()
         """
         self._check_open()
         here = node_id()
+        if shard is not None and shard not in self._entries:
+            raise ShardLostError(f"{self!r} has no live shard on node {shard!r}; its shards "
+                                 f"are on {sorted(self._entries)}")
         entry = self._entries.get(shard or here) or (None if shard else self._find(here))
         if entry is not None and entry.node_id == here:
             return LocalWriter(self._attached(entry), here, self._describe(entry))
