@@ -333,6 +333,26 @@ def test_shipping_is_bounded_in_flight(cluster, rb):
     ray.get(agents["n2"].run.remote(close_writer, 7), timeout=T)
 
 
+def test_an_idle_shipping_writer_frees_its_shard_slot_and_can_go_on(cluster):
+    _, ids, agents = cluster
+    rb = sray.create(SPEC, 2_000, namespace=NS, nodes=[ids["n0"]], chunk_size=64,
+                     remote_idle_s=0.2)
+    try:
+        got = ray.get(agents["n2"].run.remote(write_episodes, rb, 8, 100), timeout=T)
+        assert got["mode"] == "ship"
+        deadline = time.monotonic() + T        # a writer that died would stay silent too
+        while rb.stats()[0].remote_writers:
+            assert time.monotonic() < deadline, "the idle remote writer kept its slot"
+        assert rb.stats()[0].writers == 0
+        ray.get(agents["n2"].run.remote(write_episodes, rb, 8, 100), timeout=T)   # goes on
+        s = rb.stats()[0]
+        assert s.steps_received == 200 and s.live_steps == 200
+        check_windows(rb.sample_sequences(32, 10), 10)
+        ray.get(agents["n2"].run.remote(close_writer, 8), timeout=T)
+    finally:
+        rb.close()
+
+
 def test_prefetch_yields_valid_batches_and_stops(cluster, rb):
     _, _, agents = cluster
     ray.get(agents["n1"].run.remote(write_episodes, rb, 1, 500), timeout=T)

@@ -31,7 +31,8 @@ from shmbuf.ray._writers import LocalWriter, ShippingWriter
 from shmbuf.ray.dreamer import ReplayBuffer
 
 log = logging.getLogger("shmbuf.ray")
-_OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault")
+_OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault",
+            "remote_idle_s")
 
 
 def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
@@ -53,7 +54,10 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
         seed: seed of this handle's generator (the split and the shards' draws).
         timeout_s: bound on every call to a shard (start, fetch, flush).
         **buffer_options: ``chunk_size``, ``max_writers``, ``done_key``,
-            ``episode_slots``, ``prefault`` of ``shmbuf.create``.
+            ``episode_slots``, ``prefault`` of ``shmbuf.create``; and
+            ``remote_idle_s`` (600): a shipping writer that sends nothing for
+            that long has its shard stream sealed and its writer slot freed
+            (a later block opens a new stream, cutting its episode there).
 
     Raises:
         ValueError: a bad name or option; a shard named like this exists.

@@ -31,6 +31,7 @@ from shmbuf.ray._count import valid_starts
 log = logging.getLogger("shmbuf.ray")
 
 INGEST, SAMPLE = "ingest", "sample"
+REMOTE_IDLE_S = 600.0   # a shipping writer silent this long loses its stream (and slot)
 META_KEY = "shmbuf.ray"
 
 
@@ -58,10 +59,13 @@ class Shard:
         self._node = node_id()
         self._rb = rb_name
         self._options, self._node_resource = dict(options), node_resource
+        options = dict(options)
+        self._idle_s = float(options.pop("remote_idle_s", REMOTE_IDLE_S))
         meta = {META_KEY: rb_name, "node_id": self._node}
         self._buf = shmbuf.create(spec, capacity, meta=meta, **options)
         self._rng = np.random.default_rng()
         self._inboxes: dict[str, _Inbox] = {}
+        self._retired: dict[str, int] = {}     # key -> next seq of a writer gone idle
         self._lock = threading.Lock()
         self._received = {"blocks": 0, "steps": 0, "samples": 0, "sampled_windows": 0}
         self._last_rate = (time.monotonic(), 0, 0)
@@ -89,6 +93,7 @@ class Shard:
             box = self._inboxes.get(key)
             if box is None:
                 box = self._inboxes[key] = _Inbox(self._buf.writer())
+                box.next_seq = self._retired.pop(key, 0)
             box.early[seq] = (columns, cuts)
             while box.next_seq in box.early:
                 cols, cs = box.early.pop(box.next_seq)
@@ -98,7 +103,22 @@ class Shard:
                 self._received["blocks"] += 1
                 self._received["steps"] += rows
             box.last_used = time.monotonic()
+            self._retire_idle(box.last_used)
             return box.writer.steps
+
+    def _retire_idle(self, now: float) -> None:
+        """Seal the streams of remote writers silent for ``remote_idle_s`` (held lock).
+
+        A shipping writer that died without ``close()`` would hold a writer
+        slot of this buffer for good; after the idle time its slot is freed.
+        If it was only slow, its next block opens a new stream (its episode
+        is cut there: no window spans the gap) and the sequence goes on.
+        """
+        for key, box in list(self._inboxes.items()):
+            if now - box.last_used > self._idle_s:
+                box.writer.close()
+                self._retired[key] = max(box.early, default=box.next_seq - 1) + 1
+                del self._inboxes[key]
 
     @ray.method(concurrency_group=INGEST)
     def release(self, key: str) -> None:
@@ -136,6 +156,8 @@ class Shard:
     # -- counters and lifecycle -----------------------------------------------------------
     def stats(self) -> dict:
         self._check_open()
+        with self._lock:
+            self._retire_idle(time.monotonic())
         s = self._buf.stats()
         now = time.monotonic()
         t0, w0, b0 = self._last_rate
