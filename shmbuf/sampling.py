@@ -82,6 +82,23 @@ class WindowFinder:
                                  self.preempt)
         return starts[picked[:found]]
 
+    def count_valid(self, length: int, tail: int, rng: np.random.Generator,
+                    probes: int = 4096) -> int:
+        """Valid start rows of windows ``(length, tail)`` now: exact or estimated.
+
+        Exact (every committed row checked) while at most ``probes`` rows
+        have been claimed; otherwise ``claimed * accepted / probes`` from
+        ``probes`` uniform candidates over the claimed rows, the space the
+        sampler draws from.  The estimate is unbiased, with relative standard
+        error ``sqrt((1 - p) / (p * probes))`` for an acceptance rate ``p``,
+        and costs one C pass whatever the capacity.
+        """
+        span = self.ring.claimed_rows()
+        if span <= probes:
+            return len(self.valid(self.ring.committed_rows(), length, tail))
+        starts = rng.integers(0, span, probes, dtype=np.int64)
+        return round(span * len(self.valid(starts, length, tail)) / probes)
+
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
         ok = np.empty(len(w.rows), np.bool_)

@@ -213,3 +213,17 @@ def test_not_enough_data_says_wait_while_the_buffer_fills(make_buffer):
         with pytest.raises(shmbuf.NotEnoughDataError, match="fits in the buffer yet.*"
                            r"the longest finished episode has 3\).*wait_ready"):
             buf.sample_sequences(2, 10)
+
+
+def test_count_valid_starts_is_exact_while_small_and_close_when_large(make_buffer):
+    buf = make_buffer(SPEC, 20_000, chunk_size=64)
+    with buf.writer() as w:
+        write_episodes(w, [30] * 10)                   # 300 rows: exact
+        assert buf.count_valid_starts(10) == 10 * 21
+        assert buf.count_valid_starts(10, tail=1) == 10 * 22 - 1   # the last has no successor
+        write_episodes(w, [100] * 100, first_id=10)    # 10,300 rows: estimated
+    exact = 10 * 21 + 100 * 91
+    got = [buf.count_valid_starts(10, rng=s) for s in range(5)]
+    assert all(abs(g - exact) < 0.05 * exact for g in got), (got, exact)
+    with pytest.raises(ValueError, match="tail must be"):
+        buf.count_valid_starts(10, tail=10)

@@ -15,9 +15,8 @@ uses the sampler's own window check (``WindowFinder.valid``, the C pass):
   batch, so the estimate adds nothing one can see.  Its cost does not grow
   with the capacity (one C pass over 4096 candidates, tens of microseconds).
 
-This reads the store through ``Buffer``'s ring and window finder, the same
-two objects ``Buffer.sample_sequences`` uses; it is the one place in
-``shmbuf.ray`` that does.
+The count itself is the core's ``Buffer.count_valid_starts``; this module
+holds the sharding's choice of ``PROBES`` and why it is enough.
 """
 from __future__ import annotations
 
@@ -28,12 +27,4 @@ PROBES = 4096
 
 def valid_starts(buf, length: int, tail: int, rng: np.random.Generator) -> int:
     """Valid starts of windows ``(length, tail)`` in ``buf`` now (see the module doc)."""
-    ring, finder = buf._ring, buf._finder
-    buf._check_open()
-    span = ring.claimed_rows()
-    if span <= 0:
-        return 0
-    if span <= PROBES:
-        return int(len(finder.valid(ring.committed_rows(), length, tail)))
-    probes = rng.integers(0, span, PROBES, dtype=np.int64)
-    return int(round(span * len(finder.valid(probes, length, tail)) / PROBES))
+    return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)
