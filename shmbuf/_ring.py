@@ -201,7 +201,7 @@ class Ring:
         self.name = name
         # The closed word as a memoryview: a plain aligned load (relaxed) per check,
         # half the cost of a numpy scalar read.
-        self._closed = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
+        self.closed_view = self._closed = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
         n, k = layout.n_chunks, layout.chunk_size
         self.chunk_table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
                                          offset=layout.chunks_offset).reshape(n, -1)

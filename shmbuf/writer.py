@@ -42,6 +42,7 @@ class Writer:
         """Internal: ``Buffer.writer()`` builds writers from its ring and column views."""
         lay: Layout = ring.layout
         self._ring = ring
+        self._closed_word = ring.closed_view  # the header's closed word, read on every call
         self._check_open = check_open
         self._on_claim = on_claim
         self._cols = [(c.name, views[c.name], c.dtype, c.shape) for c in lay.user_columns]
@@ -68,7 +69,8 @@ class Writer:
         if self._forks != _forks[0]:
             self._bind()  # a forked child never continues its parent's streams
         self._check_open()
-        self._ring.check_open(self._pid)  # the owner closed it: this worker stops here
+        if self._closed_word[0]:  # one relaxed load: the owner closed it, this worker stops
+            self._ring.check_open(self._pid)
 
     def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
