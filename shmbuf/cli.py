@@ -204,14 +204,28 @@ def cmd_rm(args) -> int:
 
 
 def cmd_gc(args) -> int:
-    """Remove shmbuf segments whose owner process is dead, or that were closed; nothing else."""
+    """Remove buffers that were closed, or whose owner is dead and that no live writer uses.
+
+    A dead owner's buffer that live writers still fill is kept for adoption.
+    """
     dead = []
     for info in _scan():
         if isinstance(info, tuple):
             continue  # not a buffer: gc never removes what it cannot read
         try:
-            if not info.owner_alive or info.closed:
+            if info.closed:
                 dead.append(info.name)
+            elif not info.owner_alive:
+                writers = info.writers()
+                if writers:
+                    # A trainer that died while its workers write: a restarted
+                    # one adopts it, so its data is not gc's to throw away.
+                    print(f"kept {info.name}: its owner (pid {info.owner_pid}) is dead but "
+                          f"{len(writers)} writer(s) still write to it; adopt it with "
+                          f"shmbuf.attach({info.name!r}, own=True), or remove it with "
+                          f"'python -m shmbuf rm {info.name}'")
+                else:
+                    dead.append(info.name)
         finally:
             info.close()
     for name in dead:
@@ -294,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also remove a buffer whose owner is alive, or an entry that is not "
                    "a shmbuf buffer")
     p.set_defaults(func=cmd_rm)
-    p = sub.add_parser("gc", help="remove buffers whose owner process is dead")
+    p = sub.add_parser("gc", help="remove buffers whose owner process is dead (and that no "
+                       "live writer uses)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=cmd_gc)
     p = sub.add_parser("top", help="live fill, ingest and sample rates until Ctrl-C")

@@ -94,6 +94,21 @@ def test_ls_info_top_rm(make_buffer):
 
 
 @pytest.mark.slow
+def test_gc_keeps_a_dead_owners_buffer_while_writers_use_it(orphan):
+    buf = shmbuf.attach(orphan)
+    try:
+        with buf.writer() as w:
+            w.add(x=[1, 2])
+            kept = cli("gc")
+            assert kept.returncode == 0 and f"kept {orphan}" in kept.stdout
+            assert "own=True" in kept.stdout and os.path.exists(f"/dev/shm/{orphan}")
+        gone = cli("gc")  # the writer closed: nobody uses it now
+        assert f"removed {orphan}" in gone.stdout and not os.path.exists(f"/dev/shm/{orphan}")
+    finally:
+        buf.close()
+
+
+@pytest.mark.slow
 def test_rm_removes_a_dead_owners_buffer_without_force(orphan):
     rm = cli("rm", orphan)
     assert rm.returncode == 0 and not os.path.exists(f"/dev/shm/{orphan}")
