@@ -275,7 +275,8 @@ class _Replay:
         self.due = sorted(ends[ends >= 0].tolist())   # episode ends, in the order they ended
         self.next_due = 0
         self.pending: dict[int, list] = {}            # stream -> [next row, end row)
-        self.writers, self.prev = {}, {}
+        self.writers: dict[int, Any] = {}   # stream -> its Writer
+        self.prev: dict[int, int] = {}      # stream -> the row it wrote last
 
     def schedule(self, sid: int, a: int, b: int) -> None:
         """Chunk rows ``[a, b)`` of stream ``sid``: its first row is written now."""

@@ -41,7 +41,7 @@ class SlotPool:
         self.storage = torch.UntypedStorage._new_shared(SLOTS * self.slot_bytes)
         self.state = torch.zeros(SLOTS, dtype=torch.int64).share_memory_()
         self._state = self.state.numpy()
-        self._views = [{name: torch.empty(0, dtype=torch_dtype(np.dtype(dt))).set_(
+        self._views = [{name: torch.empty(0, dtype=torch_dtype(np.dtype(dt))).set_(  # type: ignore[call-overload]  # stride is optional
                             self.storage, (s * self.slot_bytes + off) // np.dtype(dt).itemsize,
                             shape)
                         for name, shape, dt, off, _ in self.layout} for s in range(SLOTS)]
@@ -83,7 +83,7 @@ def receive(storage, state, slot: int, slot_bytes: int, layout: list, transform=
     # The finalizer holds the storage (so the mapping outlives the views) and runs when
     # the last array or tensor over the region is gone.
     weakref.finalize(region, _release, state, slot, storage)
-    raw = np.frombuffer(region, np.uint8)
+    raw = np.frombuffer(region, np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
     batch = {name: torch.from_numpy(raw[off:off + nbytes].view(np.dtype(dt)).reshape(shape))
              for name, shape, dt, off, nbytes in layout}
     return batch if transform is None else transform(batch)

@@ -93,8 +93,8 @@ class ProcessRandom:
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
         self.name = name
         self.shared = shared
-        self._key = None
-        self._gen = None
+        self._key: tuple[int, int | None] | None = None
+        self._gen: np.random.Generator = None  # type: ignore[assignment]  # made by the first get()
 
     def get(self) -> np.random.Generator:
         """This process's generator."""

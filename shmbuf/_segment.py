@@ -99,7 +99,7 @@ class Segment:
     """A mapped segment; ``owner`` is True for the process that created it."""
 
     mmap = None
-    name = None
+    name: str = None  # type: ignore[assignment]  # set by _wrap
     size = 0
     owner = False
 
@@ -322,6 +322,7 @@ def column_views(segment: Segment, layout, columns) -> dict:
     closed under a view that a caller still holds (it is unmapped when the
     last view goes).
     """
-    return {c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes
+    # The segment is mapped (its header was read); only a closed one has mmap None.
+    return {c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes  # type: ignore[arg-type]
                                   // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
             for c in columns}

@@ -47,7 +47,8 @@ class AgeTables:
     def __init__(self, ab: int, limit: int = 16):
         self.ab, self.limit = ab, limit
         self._tables: dict[int, np.ndarray] = {}
-        self._last_key, self._last = None, None
+        self._last_key: tuple[int, bytes] | None = None
+        self._last: np.ndarray = None  # type: ignore[assignment]  # set by the first lookup
 
     def lookup(self, n: int, lengths: np.ndarray) -> np.ndarray:
         """``(E, n + (n-1)*ab)`` ages for envs holding ``lengths`` entries."""

@@ -65,7 +65,7 @@ def shared_empty(shape: tuple, dtype: np.dtype) -> torch.Tensor:
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:   # older torch: share_memory_ copies, but still works
         return torch.empty(shape, dtype=tdtype).share_memory_()
-    return torch.empty(0, dtype=tdtype).set_(new_shared(nbytes), 0, shape)
+    return torch.empty(0, dtype=tdtype).set_(new_shared(nbytes), 0, shape)  # type: ignore[call-overload]  # stride is optional
 
 
 def ended(buf) -> bool:

@@ -269,7 +269,7 @@ class KeyedRings(Shared):
 
     # -- lifecycle --------------------------------------------------------------
     def _release(self) -> None:
-        self._views = None
+        self._views = None  # type: ignore[assignment]  # closed: nothing reads the views again
 
     def __repr__(self):
         state = "closed" if self._closed else f"n_keys={self.n_keys} max_len={self.max_len}"

@@ -52,7 +52,7 @@ class ParamBlock(Shared):
 
     def __init__(self, rings: keyed.KeyedRings):
         self._rings = rings
-        self._table = None  # an attacher reads it from a published version
+        self._table: list | None = None  # an attacher reads it from a published version
         self._track(rings.name, rings.owner)
 
     # -- construction -----------------------------------------------------------
@@ -153,7 +153,7 @@ class ParamBlock(Shared):
             arrays[pname] = np.frombuffer(blob, dt, count, offset).reshape(shape)
         return int(out["version"][0, 0]), arrays
 
-    def read_newer(self, than: int) -> tuple[int, dict[str, np.ndarray]] | None:
+    def read_newer(self, than: int) -> tuple[int, dict[str, np.ndarray] | None] | None:
         """``read()`` if a version newer than ``than`` is published, else None (cheap).
 
         Example:
