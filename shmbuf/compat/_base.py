@@ -23,7 +23,8 @@ def register(cls):
 
 def facade_for(buffer: "store.Buffer"):
     """The facade class that made ``buffer``, or None for a plain store."""
-    return _REGISTRY.get(buffer.meta.get("facade"))
+    facade = buffer.meta.get("facade")
+    return None if facade is None else _REGISTRY.get(facade)
 
 
 def to_torch(value):
@@ -61,7 +62,8 @@ class Facade(Shared):
     """
 
     FACADE = ""
-    buffer = None
+    # None until _create or _attach made it (and after a constructor that failed first).
+    buffer: store.Buffer = None  # type: ignore[assignment]
     _writer = None
 
     # -- construction ---------------------------------------------------------

@@ -68,7 +68,7 @@ class SequenceDataset:
         # One stream per process (shmbuf._process_rng): the owner, each DataLoader
         # worker (by id and the loader's seed) and any other child draw their own.
         self._random = ProcessRandom(self.seed, replay_buffer.buffer._owner_pid,
-                                     replay_buffer.name)
+                                     replay_buffer.name)  # type: ignore[arg-type]  # open: named
 
     def __len__(self) -> int:
         return len(self.replay_buffer) if self.epoch_length is None else self.epoch_length

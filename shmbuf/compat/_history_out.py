@@ -17,7 +17,8 @@ class Layout:
 
     def __init__(self, schema, block_keys: frozenset, action_block: int):
         self.schema, self.block_keys, self.action_block = schema, block_keys, action_block
-        self.ages, self._part_cache = AgeTables(action_block), {}
+        self.ages = AgeTables(action_block)
+        self._part_cache: dict[int, dict] = {}
         self._frame_cols = [s for s in schema if s.key not in block_keys]
         self._block_cols = [s for s in schema if s.key in block_keys]
         self._width = {s.column: int(np.prod(s.shape, dtype=np.int64)) for s in schema}

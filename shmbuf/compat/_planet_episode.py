@@ -11,6 +11,7 @@ cut down to the held episodes (``held_rows``, ``runs_of``, ``check_schema``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import NoReturn, overload
 
 import numpy as np
 
@@ -159,7 +160,12 @@ class _HeldView(Sequence):
 class EpisodesView(_HeldView):
     """``Memory.episodes``: the held episodes as ``Episode`` copies, oldest first."""
 
-    def __getitem__(self, i) -> Episode:
+    @overload
+    def __getitem__(self, i: int | np.integer) -> Episode: ...
+    @overload
+    def __getitem__(self, i: slice) -> NoReturn: ...   # TypeError: integer indices only
+
+    def __getitem__(self, i: int | np.integer | slice) -> Episode:
         held = self._memory._held()
         i = self._position(i, 0 if held is None else len(held))
         rows = self._memory.buffer.read_episode(int(held.index[i]))
@@ -183,7 +189,12 @@ class LengthsView(_HeldView):
     def _lengths(self) -> list[int]:
         return (self._memory._held_rows() - 1).tolist()   # T steps are T + 1 rows
 
-    def __getitem__(self, i) -> int:
+    @overload
+    def __getitem__(self, i: int | np.integer) -> int: ...
+    @overload
+    def __getitem__(self, i: slice) -> NoReturn: ...   # TypeError: integer indices only
+
+    def __getitem__(self, i: int | np.integer | slice) -> int:
         lengths = self._lengths()
         return lengths[self._position(i, len(lengths))]
 

@@ -94,9 +94,9 @@ def _frames(array: np.ndarray, device):
     # Elsewhere, move the uint8 frames (a quarter of the bytes) and convert
     # there.  The divisor is a device tensor: CUDA multiplies by 1/255 for a
     # Python scalar, which is off by an ulp from the CPU's exact x / 255.
-    chw = torch.from_numpy(array).to(device).movedim(-1, -3)
-    chw = chw.to(torch.float32, memory_format=torch.contiguous_format)
-    return chw.div_(torch.full((), 255.0, device=chw.device))
+    frames = torch.from_numpy(array).to(device).movedim(-1, -3)
+    frames = frames.to(torch.float32, memory_format=torch.contiguous_format)
+    return frames.div_(torch.full((), 255.0, device=frames.device))
 
 
 def _values(array: np.ndarray, device):

@@ -92,8 +92,8 @@ class HistoryBuffer(Shared):
 
     KIND_NAME = "HistoryBuffer"
     SPARE = keyed.DEFAULT_SPARE
-    _rings = None
-    _schema = None
+    _rings: keyed.KeyedRings | None = None           # None while there is no schema
+    _schema: tuple[_infos.KeySchema, ...] | None = None
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
                  spec=None, seed=None, name: str | None = None):
@@ -203,8 +203,8 @@ class HistoryBuffer(Shared):
             values = _infos.coerce_info(schema, info_dict, len(envs))
             self._create(schema)
         else:
-            values = _infos.coerce_info(self._schema, info_dict, len(envs))
-        self._rings.append(envs, values)
+            values = _infos.coerce_info(self._schema, info_dict, len(envs))  # type: ignore[arg-type]  # rings, so a schema
+        self._rings.append(envs, values)  # type: ignore[union-attr]  # made or found just above
 
     def get(self, n: int, env_ids=None) -> dict | None:
         """Return the last ``n`` strided entries per env, padded in warm-up.
@@ -262,7 +262,7 @@ class HistoryBuffer(Shared):
         n, env = check_int("n", n, None), check_int("env_id", env_id, None)
         if not -self.n_envs <= env < self.n_envs:
             raise IndexError(f"get_view: env id {env} is out of range for n_envs={self.n_envs}")
-        rings = self._ensure()
+        rings: keyed.KeyedRings | None = self._ensure()
         if n <= 0 or rings is None or (self.action_block > 1 and self._layout.long_steps):
             return None
         env = env % self.n_envs
@@ -389,7 +389,7 @@ class HistoryBuffer(Shared):
         """
         theirs, lengths, entries = _infos.read_checkpoint(to_numpy(dict(state)), self.n_envs)
         if self._ensure() is not None:
-            mine = {s.key: (s.shape, s.dtype.str) for s in self._schema}
+            mine = {s.key: (s.shape, s.dtype.str) for s in self._schema}  # type: ignore[union-attr]  # rings, so a schema
             other = {s.key: (s.shape, s.dtype.str) for s in theirs}
             if mine != other:
                 raise ValueError(f"state: checkpoint schema {other} does not match this "
@@ -401,7 +401,7 @@ class HistoryBuffer(Shared):
                                      "restore in the constructing process")
         else:
             self._create(theirs)
-        self._rings.restore(lengths, {s.column: entries[s.key] for s in self._schema})
+        self._rings.restore(lengths, {s.column: entries[s.key] for s in self._schema})  # type: ignore[union-attr]  # both set above
 
 
 def _rebuild(name: str, params: dict) -> HistoryBuffer:
