@@ -328,7 +328,7 @@ class RecordVectorEpisodes(VectorWrapper):
         for i in range(self._n):
             row = _one(cols, i)
             if ended[i]:
-                row = self._rows.replace_obs(row, final[i])
+                row = self._rows.replace_obs(row, final[i])  # type: ignore[index]  # checked above
             self._sink.add(i, row)
 
     def _start(self, envs, obs) -> None:

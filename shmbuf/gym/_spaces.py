@@ -94,8 +94,8 @@ def column_of(leaf: Leaf) -> tuple[tuple[int, ...], np.dtype]:
         start = int(sp.start)
         return (), smallest_int(start, start + int(sp.n) - 1)
     if isinstance(sp, spaces.MultiDiscrete):
-        start = np.asarray(sp.start, np.int64)
-        return tuple(sp.shape), smallest_int(start.min(), (start + sp.nvec - 1).max())
+        starts = np.asarray(sp.start, np.int64)
+        return tuple(sp.shape), smallest_int(starts.min(), (starts + sp.nvec - 1).max())
     if isinstance(sp, spaces.MultiBinary):
         return tuple(sp.shape), np.dtype(np.bool_)
     if isinstance(sp, spaces.Box):
