@@ -55,7 +55,7 @@ class ShardedBuffer:
     """
 
     def __init__(self, name: str, namespace: str, spec: dict, capacity: int, options: dict,
-                 node_resource: str | None, entries: list, *, owner: bool, seed=None,
+                 node_resource: str | bool | None, entries: list, *, owner: bool, seed=None,
                  timeout_s: float = 60.0):
         self.name, self.namespace = name, namespace
         self._spec = {k: (tuple(s), np.dtype(d)) for k, (s, d) in spec.items()}

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from shmbuf.ray._shard import Shard
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
 
 DEFAULT_NAMESPACE = "shmbuf"
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
@@ -25,7 +29,7 @@ class ShardEntry:
 
     node_id: str
     buffer: str
-    actor: object
+    actor: ActorHandle
     capacity: int
     chunk_size: int
     ip: str
@@ -55,7 +59,8 @@ def start_shards(name, namespace, spec, capacity, options, nodes, timeout,
     Each must report the node it was sent to; a shard that fails to start in
     ``timeout`` seconds ends the others started here.
     """
-    actors = [Shard.options(name=actor_name(name, n), namespace=namespace, lifetime="detached",
+    # Shard is a Ray actor class; ray's stubs do not type its decorator (see _shard).
+    actors = [Shard.options(name=actor_name(name, n), namespace=namespace, lifetime="detached",  # type: ignore[attr-defined]
                             get_if_exists=True,
                             scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
               .remote(name, spec, capacity, options, node_resource) for n in nodes]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
@@ -30,15 +31,18 @@ from shmbuf import NotEnoughDataError
 from shmbuf.ray._count import valid_starts
 from shmbuf.ray._errors import ShardLostError, is_loss
 
+if TYPE_CHECKING:
+    from shmbuf.ray._placement import ShardEntry
+
 COUNT_MAX_AGE_S = 1.0
 _VALID, _SAMPLE_S = "__valid__", "__sample_s__"
 
 
 @dataclasses.dataclass
 class Part:
-    shard: object           # a ShardEntry
+    shard: ShardEntry
     n: int
-    ref: object = None      # the remote reply; None for the local shard
+    ref: ray.ObjectRef | None = None   # the remote reply; None for the local shard
 
 
 @dataclasses.dataclass
@@ -97,9 +101,9 @@ class Counts:
             return
         refs = [ref for _, (_, ref) in asked]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        ready = set(ready)
+        arrived = set(ready)
         for key, (shard, ref) in asked:
-            if ref in ready:
+            if ref in arrived:
                 with self._lock:
                     if self._asked.pop(key, None) is None:
                         continue

@@ -50,7 +50,8 @@ class _Inbox:
         self.last_used = time.monotonic()
 
 
-@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={INGEST: 1, SAMPLE: 2})
+# ray's stubs type remote() for functions only (no actor options such as concurrency_groups).
+@ray.remote(num_cpus=0, max_restarts=0, concurrency_groups={INGEST: 1, SAMPLE: 2})  # type: ignore[call-overload]
 class Shard:
     """The actor; made by ``ShardedBuffer`` (see ``shmbuf.ray``), not by users."""
 

@@ -95,7 +95,8 @@ class _Block:
     def __init__(self, cols: list, n: int, rows: int):
         self.arrays = {name: np.empty((n, rows) + shape, dtype) for name, shape, dtype in cols}
         self.first = [a[0] for a in self.arrays.values()]    # stream 0's rows, column order
-        self.n, self.rows, self.fill, self.cuts = n, rows, 0, []
+        self.n, self.rows, self.fill = n, rows, 0
+        self.cuts: list[tuple[int, int]] = []   # (fill, env) of each cut
 
     def payload(self) -> dict:
         if self.fill == self.rows:
@@ -123,7 +124,7 @@ class ShippingWriter:
         self._timeout = timeout_s
         self._key = uuid.uuid4().hex
         self._blocks: dict[str, _Block] = {}          # "solo" (add) and "batch" (add_batch)
-        self._seq = collections.Counter()
+        self._seq: collections.Counter[str] = collections.Counter()
         self._inflight: collections.deque = collections.deque()   # (ref, nbytes)
         self._inflight_bytes = 0
         self._steps = 0

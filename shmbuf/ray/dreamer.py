@@ -8,10 +8,14 @@ calls ``add`` gets its own writer (shared memory on a node with a shard).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from shmbuf.compat._transitions import transition_params, transition_spec
+
+if TYPE_CHECKING:
+    from shmbuf.ray._writers import LocalWriter, ShippingWriter
 
 
 class ReplayBuffer:
@@ -38,7 +42,7 @@ class ReplayBuffer:
         self.obs_shape, self.action_size = tuple(p["obs_shape"]), p["action_size"]
         self.sharded = create(transition_spec(self.obs_shape, self.action_size), self.size,
                               seed=seed, **create_kwargs)
-        self._writer = None
+        self._writer: LocalWriter | ShippingWriter | None = None
 
     @classmethod
     def _wrap(cls, sharded, seq_len: int, batch_size: int) -> "ReplayBuffer":
