@@ -420,6 +420,6 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         raise bad(f"its metadata is not JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise bad(f"its metadata is {type(meta).__name__}, expected an object")
-    owner = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns", "kind")}
+    owner: dict = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns", "kind")}
     owner["meta"] = meta
     return layout, owner

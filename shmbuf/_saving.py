@@ -42,6 +42,7 @@ import threading
 import time
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
 from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
@@ -68,7 +69,7 @@ def _npy_header(dtype: np.dtype, shape: tuple) -> bytes:
 class _Column:
     """One growing .npy file: rows are appended, the header says how many."""
 
-    def __init__(self, path: str, dtype: np.dtype, shape: tuple, rows: int = 0):
+    def __init__(self, path: str, dtype: DTypeLike, shape: tuple, rows: int = 0):
         self.path, self.dtype, self.shape = path, np.dtype(dtype), tuple(shape)
         self.row_bytes = int(np.prod(shape, dtype=np.int64)) * self.dtype.itemsize
         self.rows = rows
@@ -78,7 +79,7 @@ class _Column:
 
     def write(self, at_row: int, data) -> None:
         """Write ``data`` (rows) from row ``at_row`` on; the header is not touched."""
-        view = memoryview(np.ascontiguousarray(data)).cast("B")
+        view = memoryview(np.ascontiguousarray(data)).cast("B")  # type: ignore[arg-type]  # a buffer (typed so from 3.12)
         self.file.seek(NPY_HEADER + at_row * self.row_bytes)
         while view:
             view = view[self.file.write(view):]
@@ -309,7 +310,7 @@ class Saver:
         self._saved: set[int] = set()  # claim tickets of chunks already in the save
         self._rows = self._missed = 0
         _prepare_dir(path, overwrite)
-        self._out = _Writer(buf, path)
+        self._out: _Writer | None = _Writer(buf, path)   # None once closed
         self._out.commit(following=True, durable=durable)
         self._thread = threading.Thread(target=self._run, name=f"shmbuf-saver {buf.name}",
                                         daemon=True)
@@ -413,7 +414,7 @@ def read_manifest(path) -> dict:
                       ("meta", dict), ("spec", dict)):
         value = manifest.get(key)
         if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < (0 if key in ("rows", "chunks") else 1)):
+                kind is int and value < (0 if key in ("rows", "chunks") else 1)):  # type: ignore[operator]  # an int
             raise _bad(path, f"manifest field {key!r} is {value!r}")
     try:
         manifest["spec"] = normalize_spec({k: (tuple(v["shape"]), v["dtype"])

@@ -61,7 +61,7 @@ class Buffer(Shared):
     same live memory and never unlinks it.
     """
 
-    _savers: set = frozenset()  # running Savers; class default, so close() works early
+    _savers: set = frozenset()  # type: ignore[assignment]  # running Savers; class default, so close() works early
 
     def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
                  seed=None, mapped: bool = False):
@@ -440,7 +440,7 @@ class Buffer(Shared):
         self._check_open()
         lay = self._layout
         c = self._ring.counts()  # in the one order that keeps them consistent
-        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,
+        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,  # type: ignore[arg-type]  # open: named
                      c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
                      len(self._ring.live_writers()), c.streams, c.samples,
                      owner_record(self._ring.mm)[0], owner_alive(self._ring.mm))
@@ -615,7 +615,7 @@ class Buffer(Shared):
         _signals.forget(self)
         for saver in list(self._savers):
             saver.close()  # saves what is left, while the mapping is still ours
-        self._views = self._ring = self._finder = None
+        self._views = self._ring = self._finder = None  # type: ignore[assignment]  # closed: never read again
 
     def __reduce__(self):
         return _reattach, (self.name, self._random.seed)

@@ -35,7 +35,7 @@ class Writer:
     """
 
     _closed = True
-    _slot: Slot | None = None
+    _slot: Slot = None  # type: ignore[assignment]  # class default: close() works after a failed constructor
 
     def __init__(self, ring: Ring, views: dict[str, np.ndarray],
                  check_open: Callable[[], None], on_claim: Callable[[int], None] | None = None):
@@ -268,7 +268,7 @@ class Writer:
             runs = ", ".join(f"{k} {v}" for k, v in lengths.items())
             raise ValueError(f"extend: every column needs the same run length T, got {runs}; "
                              "nothing was written")
-        n = next(iter(lengths.values()))
+        n: int = next(iter(lengths.values()))  # type: ignore[assignment]  # None raised above
         if n < 1:
             first = self._cols[0][0]
             raise ValueError(f"extend({first}=...): a run needs at least 1 step, got T = {n} "
