@@ -100,9 +100,9 @@ class Memory(Facade):
 
     FACADE = "planet.Memory"
     _rng = None
-    _lock = None
-    _schema = None     # constructor's shapes and dtypes, until the segment exists
-    _pending = None    # constructor's name and seed, until the segment exists
+    _lock: threading.Lock = None  # type: ignore[assignment]  # made by _setup
+    _schema: dict = None  # type: ignore[assignment]  # constructor's shapes and dtypes, until the segment exists
+    _pending: dict = None  # type: ignore[assignment]  # constructor's name and seed, until the segment exists
 
     def __init__(self, size: int | None = None, *, capacity: int | None = None,
                  steps_per_episode: int = DEFAULT_STEPS_PER_EPISODE, obs_shape=None,
