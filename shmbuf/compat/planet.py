@@ -99,7 +99,6 @@ class Memory(Facade):
     """
 
     FACADE = "planet.Memory"
-    _rng = None
     _lock: threading.Lock = None  # type: ignore[assignment]  # made by _setup
     _schema: dict = None  # type: ignore[assignment]  # constructor's shapes and dtypes, until the segment exists
     _pending: dict = None  # type: ignore[assignment]  # constructor's name and seed, until the segment exists
@@ -122,7 +121,6 @@ class Memory(Facade):
                         "obs_dtype": storage_dtype("obs_dtype", obs_dtype),
                         "action_dtype": storage_dtype("action_dtype", action_dtype)}
         self._pending = {"name": name, "seed": seed}
-        self._rng = np.random.default_rng(seed)
         self._setup(params)
         self._track(None, owner=True)   # open; the segment comes with the schema
         if obs_shape is not None and action_size is not None:
@@ -132,8 +130,6 @@ class Memory(Facade):
         self._params = dict(params)
         if self._lock is None:
             self._lock = threading.Lock()   # one writer stream per handle: appends take turns
-        if self._rng is None:
-            self._rng = np.random.default_rng()
 
     def _spec(self, obs_shape: tuple, action_size: int) -> dict:
         s = self._schema
