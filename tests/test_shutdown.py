@@ -44,6 +44,33 @@ def start_worker(name, call=ADD):
     return script
 
 
+# A process that wrote a step, closed its writer and now only samples: gc
+# keeps a dead owner's buffer while writers use it, so its removal is
+# learnt by readers like this one.
+SAMPLER = """
+    import json
+    import shmbuf
+    from helpers.workers import step_for
+    buf = shmbuf.attach({name!r})
+    with buf.writer() as w:
+        w.add(**step_for(0, 0, 0, 0, False))
+    print("sampling", flush=True)
+    calls = 0
+    try:
+        while True:
+            buf.sample_steps(1)
+            calls += 1
+    except shmbuf.BufferClosedError as exc:
+        print(json.dumps({{"steps": calls, "error": str(exc)}}), flush=True)
+"""
+
+
+def start_sampler(name):
+    script = Script(SAMPLER.format(name=name))
+    assert script.line() == "sampling"
+    return script
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["close", "unlink"])
 @pytest.mark.parametrize("call", [ADD, ADD_BATCH], ids=["add", "add_batch"])
@@ -123,7 +150,7 @@ def test_shmbuf_rm_and_gc_mark_closed_before_removing(command, capsys):
         owner = None
         buf = shmbuf.create(SPEC, 256)
         name = buf.name
-    else:  # gc takes only buffers whose owner died: make one in a child and SIGKILL it
+    else:  # gc takes only buffers whose owner died and no writer uses: a child's, SIGKILLed
         owner = Script("""
             import numpy as np, shmbuf
             from helpers.workers import SPEC
@@ -134,7 +161,7 @@ def test_shmbuf_rm_and_gc_mark_closed_before_removing(command, capsys):
         name = owner.line()
         owner.kill()
         buf = None
-    worker = start_worker(name)
+    worker = start_worker(name) if command == "rm" else start_sampler(name)
     try:
         assert cli.main(["rm", "--force", name] if command == "rm" else ["gc"]) == 0
         report = worker.json()
