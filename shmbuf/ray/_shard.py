@@ -200,16 +200,16 @@ def _write_block(writer, columns: dict, cuts: list) -> None:
     """Append a block ``(n, T, ...)``, cutting episodes where ``cuts`` say.
 
     One remote stream (``n == 1``) goes to the writer's own stream, a run at
-    a time with ``Writer.extend`` where the core has it; ``n`` streams go row
-    by row in time through ``add_batch`` (one shard stream per remote
-    stream).  Either way the block's episodes and stream boundaries are kept.
+    a time with ``Writer.extend``; ``n`` streams go row by row in time
+    through ``add_batch`` (one shard stream per remote stream).  Either way
+    the block's episodes and stream boundaries are kept.
     """
     first = next(iter(columns.values()))
     n, steps = first.shape[:2]
     at: dict[int, list[int]] = {}
     for p, env in cuts:
         at.setdefault(int(p), []).append(int(env))
-    if n == 1 and hasattr(writer, "extend"):
+    if n == 1:
         start = 0
         for p in sorted(set(at) | {steps}):
             if p > start:
