@@ -30,16 +30,14 @@ def iris(batch):
 
 def prefetch(facade, batch_size: int, length: int, shape, depth, device, pin_memory,
              **sample_kwargs):
-    from ..prefetch import Prefetcher
-
+    """``Buffer.prefetch`` of the facade's buffer, each batch passed through ``shape``."""
     facade._check_open()
-    return Prefetcher(facade.buffer, batch_size, length, depth=depth, device=device,
-                      pin_memory=pin_memory, transform=shape, **sample_kwargs)
+    return facade.buffer.prefetch(batch_size, length, depth=depth, device=device,
+                                  pin_memory=pin_memory, transform=shape, **sample_kwargs)
 
 
 def dataset(facade, batch_size: int, length: int, shape, batches, seed, **sample_kwargs):
-    from ..dataset import BatchDataset
-
+    """``Buffer.dataset`` of the facade's buffer, each batch passed through ``shape``."""
     facade._check_open()
-    return BatchDataset(facade.buffer, batch_size, length, batches=batches, seed=seed,
-                        transform=shape, **sample_kwargs)
+    return facade.buffer.dataset(batch_size, length, batches=batches, seed=seed,
+                                 transform=shape, **sample_kwargs)
