@@ -327,27 +327,26 @@ class _Replay:
 
     def _write_run(self, sid: int, a: int, b: int) -> None:
         """Rows ``[a, b)`` of one episode, none of them ending one in the index, at once."""
-        w = self.writers.get(sid)
-        if w is None:
-            w = self.writers[sid] = self.buf.writer()
-        j = self.prev.get(sid)
-        if j is not None and j >= 0 and self.episode[a] != self.episode[j] and not (
-                self.done is not None and self.done[j]):
-            w.end_episode()   # the original stream was cut here without a terminal
+        w = self._writer_at(sid, a)
         w.extend(**{k: v[a:b] for k, v in self.columns.items()})
         self.prev[sid] = b - 1
 
     def _due(self) -> int:
         return self.due[self.next_due] if self.next_due < len(self.due) else -1
 
-    def _write(self, sid: int, i: int) -> None:
+    def _writer_at(self, sid: int, row: int):
+        """Stream ``sid``'s writer, ready for ``row``: the episode cut before it is made."""
         w = self.writers.get(sid)
         if w is None:
             w = self.writers[sid] = self.buf.writer()
         j = self.prev.get(sid)
-        if j is not None and j >= 0 and self.episode[i] != self.episode[j] and not (
+        if j is not None and j >= 0 and self.episode[row] != self.episode[j] and not (
                 self.done is not None and self.done[j]):
             w.end_episode()   # the original stream was cut here without a terminal
+        return w
+
+    def _write(self, sid: int, i: int) -> None:
+        w = self._writer_at(sid, i)
         w.add(**{k: v[i] for k, v in self.columns.items()})
         self.prev[sid] = i
         rank = int(self.ends[i])
