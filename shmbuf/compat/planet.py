@@ -33,6 +33,12 @@ UNBOUNDED_BYTES = 2**30                  # Memory(size=None): a 1 GiB store ...
 UNBOUNDED_MAX_ROWS = 1_000_000           # ... of at most a million rows
 
 
+def _row_bytes(spec: dict) -> int:
+    """Bytes of one stored row of ``spec``, hidden columns included."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+               for shape, dtype in spec.values())
+
+
 @register
 class Memory(Facade):
     """PlaNet's episodic memory in shared memory: at most ``size`` episodes, FIFO.
@@ -149,9 +155,7 @@ class Memory(Facade):
         if rows is None and p["size"] is not None:
             rows = -(-p["size"] * (p["steps_per_episode"] + 1) * 5 // 4)
         elif rows is None:
-            row = sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-                      for shape, dtype in spec.values())
-            rows = max(64, min(UNBOUNDED_MAX_ROWS, UNBOUNDED_BYTES // row))
+            rows = max(64, min(UNBOUNDED_MAX_ROWS, UNBOUNDED_BYTES // _row_bytes(spec)))
         return rows, max(1, min(512, rows // 64))
 
     def _materialize(self, spec: dict) -> None:
@@ -364,9 +368,7 @@ class Memory(Facade):
         tracelen = check_int("Memory.sample(tracelen=...)", tracelen)
         if self.buffer is None:
             raise NotEnoughDataError("Memory is empty; cannot sample.")
-        need = batch_size * (tracelen + 1) * sum(
-            int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            for shape, dtype in self.buffer.spec.values())
+        need = batch_size * (tracelen + 1) * _row_bytes(self.buffer.spec)
         if need > self.max_sample_bytes:
             raise SampleTooLargeError(
                 f"Memory.sample(batch_size={batch_size}, tracelen={tracelen}) needs "
