@@ -43,33 +43,30 @@ def main():
 
     with shmbuf.DiamondReplayBuffer(capacity=1_000, obs_shape=(32, 32, 3), action_dim=2,
                                     seed=0) as rb:
-        worker = mp.get_context("spawn").Process(target=env_worker, args=(rb, 0, args.steps))
-        try:
-            worker.start()
-            worker.join(timeout=120)
-            print(f"size {rb.size}, position {rb.position}, is_ready(200) {rb.is_ready(200)}")
-            dataset = shmbuf.SequenceDataset(rb, sequence_length=5, burn_in=4, seed=0)
-            loader = torch.utils.data.DataLoader(
-                dataset, batch_size=8, shuffle=True, num_workers=args.loader_workers,
-                multiprocessing_context="spawn" if args.loader_workers else None)
-            batch = next(iter(loader))
-            print("loader batch: " + ", ".join(f"{k} {tuple(v.shape)}"
-                                                for k, v in sorted(batch.items())))
-            step = rb.sample(32)
-            print(f"sample(32): obs {tuple(step['obs'].shape)}, dones {step['dones'].dtype}")
-            with tempfile.TemporaryDirectory() as tmp:
-                path = os.path.join(tmp, "buffer.pt")
-                torch.save(rb.state_dict(), path)
-                with shmbuf.DiamondReplayBuffer(capacity=1_000, obs_shape=(32, 32, 3),
-                                                action_dim=2) as restored:
-                    restored.load_state_dict(torch.load(path, weights_only=True))
-                    assert len(restored) == len(rb)
-            print(f"done: {len(rb)} steps, batches of {len(batch['obs_seq'])} sequences from "
-                  f"{args.loader_workers} loader workers, checkpoint restored, "
-                  f"exit code {worker.exitcode}")
-        finally:
-            if worker.is_alive():
-                worker.kill()
+        worker = mp.get_context("spawn").Process(target=env_worker, args=(rb, 0, args.steps),
+                                                 daemon=True)
+        worker.start()
+        worker.join(timeout=120)
+        print(f"size {rb.size}, position {rb.position}, is_ready(200) {rb.is_ready(200)}")
+        dataset = shmbuf.SequenceDataset(rb, sequence_length=5, burn_in=4, seed=0)
+        loader = torch.utils.data.DataLoader(
+            dataset, batch_size=8, shuffle=True, num_workers=args.loader_workers,
+            multiprocessing_context="spawn" if args.loader_workers else None)
+        batch = next(iter(loader))
+        print("loader batch: " + ", ".join(f"{k} {tuple(v.shape)}"
+                                            for k, v in sorted(batch.items())))
+        step = rb.sample(32)
+        print(f"sample(32): obs {tuple(step['obs'].shape)}, dones {step['dones'].dtype}")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "buffer.pt")
+            torch.save(rb.state_dict(), path)
+            with shmbuf.DiamondReplayBuffer(capacity=1_000, obs_shape=(32, 32, 3),
+                                            action_dim=2) as restored:
+                restored.load_state_dict(torch.load(path, weights_only=True))
+                assert len(restored) == len(rb)
+        print(f"done: {len(rb)} steps, batches of {len(batch['obs_seq'])} sequences from "
+              f"{args.loader_workers} loader workers, checkpoint restored, "
+              f"exit code {worker.exitcode}")
 
 
 if __name__ == "__main__":

@@ -35,24 +35,19 @@ def main():
     with shmbuf.ReplayBuffer(size=5_000, obs_shape=(3, 64, 64), action_size=6, seq_len=20,
                              batch_size=16, seed=0) as rb:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=env_worker, args=(rb, seed, args.steps))
+        procs = [ctx.Process(target=env_worker, args=(rb, seed, args.steps), daemon=True)
                  for seed in range(args.workers)]
-        try:
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=120)
-            obs, act, rew, term = rb.sample()
-            print(f"sample(): obs {obs.shape} {obs.dtype}, act {act.shape}, rew {rew.shape}, "
-                  f"term {term.shape} {term.dtype}")
-            # A window may end on a terminal step but never continues past one.
-            assert not term[:-1].any()
-            print(f"done: {rb.steps} steps from {args.workers} workers, {rb.episodes} episodes, "
-                  f"exit codes {[p.exitcode for p in procs]}")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        obs, act, rew, term = rb.sample()
+        print(f"sample(): obs {obs.shape} {obs.dtype}, act {act.shape}, rew {rew.shape}, "
+              f"term {term.shape} {term.dtype}")
+        # A window may end on a terminal step but never continues past one.
+        assert not term[:-1].any()
+        print(f"done: {rb.steps} steps from {args.workers} workers, {rb.episodes} episodes, "
+              f"exit codes {[p.exitcode for p in procs]}")
 
 
 if __name__ == "__main__":

@@ -39,27 +39,22 @@ def main():
     with shmbuf.HistoryBuffer(n_envs=4, max_len=8, action_block=2, block_keys=("action",),
                               spec=SPEC) as buf:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=env_worker, args=(buf, ids, args.steps))
+        procs = [ctx.Process(target=env_worker, args=(buf, ids, args.steps), daemon=True)
                  for ids in ([0, 1], [2, 3])]
-        try:
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=120)
-            out = buf.get(3)
-            print("get(3): " + ", ".join(f"{k} {tuple(v.shape)} {v.dtype}"
-                                         for k, v in sorted(out.items())))
-            frames = out["pixels"][0, :, 0, 0, 0].tolist()   # env 0's strided frames
-            print(f"env 0 frames at steps {frames}, blocks {out['action'][0, :, ::2].tolist()}")
-            buf.reset(env_ids=[0])   # env 0 starts a new episode
-            replan = buf.get(3, env_ids=[1, 3])
-            print(f"done: {len(buf)} min entries, num_strided {buf.num_strided()}, "
-                  f"re-planned {len(replan['pixels'])} envs, "
-                  f"exit codes {[p.exitcode for p in procs]}")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        out = buf.get(3)
+        print("get(3): " + ", ".join(f"{k} {tuple(v.shape)} {v.dtype}"
+                                     for k, v in sorted(out.items())))
+        frames = out["pixels"][0, :, 0, 0, 0].tolist()   # env 0's strided frames
+        print(f"env 0 frames at steps {frames}, blocks {out['action'][0, :, ::2].tolist()}")
+        buf.reset(env_ids=[0])   # env 0 starts a new episode
+        replan = buf.get(3, env_ids=[1, 3])
+        print(f"done: {len(buf)} min entries, num_strided {buf.num_strided()}, "
+              f"re-planned {len(replan['pixels'])} envs, "
+              f"exit codes {[p.exitcode for p in procs]}")
 
 
 if __name__ == "__main__":

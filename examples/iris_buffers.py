@@ -42,24 +42,19 @@ def main():
     with shmbuf.IRISReplayBuffer(size=2_000, obs_shape=(3, 32, 32), action_size=4, seq_len=10,
                                  batch_size=8, seed=0) as buffer:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=env_worker, args=(buffer, seed, args.episodes))
+        procs = [ctx.Process(target=env_worker, args=(buffer, seed, args.episodes), daemon=True)
                  for seed in range(args.workers)]
-        try:
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=120)
-            obs, act, rew, term = buffer.sample_sequence()
-            print(f"sample_sequence(): obs {obs.shape}, act {act.shape}, rew {rew.shape}, "
-                  f"term {term.shape}")
-            one = buffer.sample_single()
-            print(f"sample_single(): obs {one[0].shape}, act {one[1].shape}")
-            print(f"done: {len(buffer)} steps of {buffer.buffer_capacity} from {args.workers} "
-                  f"workers, exit codes {[p.exitcode for p in procs]}")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        obs, act, rew, term = buffer.sample_sequence()
+        print(f"sample_sequence(): obs {obs.shape}, act {act.shape}, rew {rew.shape}, "
+              f"term {term.shape}")
+        one = buffer.sample_single()
+        print(f"sample_single(): obs {one[0].shape}, act {one[1].shape}")
+        print(f"done: {len(buffer)} steps of {buffer.buffer_capacity} from {args.workers} "
+              f"workers, exit codes {[p.exitcode for p in procs]}")
 
 
 if __name__ == "__main__":

@@ -42,27 +42,22 @@ def main():
     with shmbuf.Memory(size=8, steps_per_episode=50, obs_shape=(3, 16, 16), action_size=2,
                        seed=0) as memory:
         ctx = mp.get_context("spawn")
-        procs = [ctx.Process(target=env_worker, args=(memory, seed, args.episodes))
+        procs = [ctx.Process(target=env_worker, args=(memory, seed, args.episodes), daemon=True)
                  for seed in range(args.workers)]
-        try:
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout=120)
-            (x, u, r, t), lengths = memory.sample(batch_size=16, tracelen=20)
-            print(f"sample(16, tracelen=20): x {x.shape}, u {u.shape}, r {r.shape}, "
-                  f"t {t.shape}, lengths {lengths.shape}")
-            print(f"memory.episodes: maxlen {memory.episodes.maxlen}, len "
-                  f"{len(memory.episodes)}; eps_lengths {list(memory.eps_lengths)}")
-            newest = memory.episodes[-1]   # a terminated Episode, read from shared memory
-            assert newest.x.shape == (newest.size + 1, 3, 16, 16)
-            print(f"done: {len(memory)} episodes held of {args.workers * args.episodes} "
-                  f"appended, {memory.size} transitions, "
-                  f"exit codes {[p.exitcode for p in procs]}")
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        (x, u, r, t), lengths = memory.sample(batch_size=16, tracelen=20)
+        print(f"sample(16, tracelen=20): x {x.shape}, u {u.shape}, r {r.shape}, "
+              f"t {t.shape}, lengths {lengths.shape}")
+        print(f"memory.episodes: maxlen {memory.episodes.maxlen}, len "
+              f"{len(memory.episodes)}; eps_lengths {list(memory.eps_lengths)}")
+        newest = memory.episodes[-1]   # a terminated Episode, read from shared memory
+        assert newest.x.shape == (newest.size + 1, 3, 16, 16)
+        print(f"done: {len(memory)} episodes held of {args.workers * args.episodes} "
+              f"appended, {memory.size} transitions, "
+              f"exit codes {[p.exitcode for p in procs]}")
 
 
 if __name__ == "__main__":
