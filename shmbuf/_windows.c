@@ -71,6 +71,30 @@ chunk_word(const Geometry *g, int64_t chunk, int64_t field)
         memory_order_acquire);
 }
 
+/*
+ * Step from a full chunk to its stream's successor: load `next` and
+ * `next_seq` (acquire), bounds-check the successor, and require its state
+ * seq to still be the one recorded at link time.  Return 1 and update
+ * *chunk and *seq, 0 if there is no valid successor, -1 if the hook raised.
+ */
+static int
+follow(const Geometry *g, int64_t *chunk, int64_t *seq)
+{
+    PREEMPT(g);
+    uint64_t next = chunk_word(g, *chunk, g->f_next);
+    PREEMPT(g);
+    int64_t next_seq = (int64_t)chunk_word(g, *chunk, g->f_next_seq);
+    if (next == 0 || next > (uint64_t)g->n_chunks)
+        return 0;
+    PREEMPT(g);
+    int64_t now = (int64_t)(chunk_word(g, (int64_t)next - 1, g->f_state) >> 32);
+    if (now != next_seq)
+        return 0;                                    /* recycled since the link */
+    *chunk = (int64_t)next - 1;
+    *seq = now;
+    return 1;
+}
+
 static inline int64_t
 episode_of(const Geometry *g, int64_t row)
 {
@@ -148,17 +172,9 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
          * before it filled up would make the window skip rows. */
         if (count != rows_here || n >= max_hops)
             return 0;
-        PREEMPT(g);
-        uint64_t next = chunk_word(g, chunk, g->f_next);
-        PREEMPT(g);
-        int64_t next_seq = (int64_t)chunk_word(g, chunk, g->f_next_seq);
-        if (next == 0 || next > (uint64_t)g->n_chunks)
-            return 0;
-        chunk = (int64_t)next - 1;
-        PREEMPT(g);
-        seq = (int64_t)(chunk_word(g, chunk, g->f_state) >> 32);
-        if (seq != next_seq)
-            return 0;                                /* recycled since the link */
+        int linked = follow(g, &chunk, &seq);
+        if (linked <= 0)
+            return linked;
         PREEMPT(g);
         count = (int64_t)chunk_word(g, chunk, g->f_count);
         rows_here = chunk_rows(g, chunk);
@@ -414,18 +430,11 @@ seek_one(const Geometry *g, int64_t chunk, int64_t seq, int64_t offset, int64_t 
         PREEMPT(g);
         if ((int64_t)chunk_word(g, chunk, g->f_count) != rows_here)
             return 0;                                /* not full: no successor yet */
-        PREEMPT(g);
-        uint64_t next = chunk_word(g, chunk, g->f_next);
-        PREEMPT(g);
-        int64_t next_seq = (int64_t)chunk_word(g, chunk, g->f_next_seq);
-        if (next == 0 || next > (uint64_t)g->n_chunks)
-            return 0;
         advance -= rows_here - offset;
         offset = 0;
-        chunk = (int64_t)next - 1;
-        PREEMPT(g);
-        if ((int64_t)(chunk_word(g, chunk, g->f_state) >> 32) != next_seq)
-            return 0;                                /* recycled since the link */
+        int linked = follow(g, &chunk, &seq);
+        if (linked <= 0)
+            return linked;
     }
     return 0;
 }
