@@ -176,7 +176,7 @@ def _shrink(t, n: int):
     return t.new_empty(0).set_(storage, 0, (n,) + tuple(t.shape[1:]))
 
 
-def from_state_dict(buf, state: dict[str, Any]) -> dict[str, Any]:
+def from_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     """A ``state_dict`` as the numpy ``snapshot`` that ``restore`` takes (views, no copies)."""
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         got = state.get("format") if isinstance(state, dict) else type(state).__name__

@@ -506,7 +506,9 @@ class Buffer(Shared):
 
         Returns:
             ``{"format", "spec", "columns": {col: (n, ...) array}, "stream": (n,),
-            "episode": (n,)}``: numpy arrays and plain Python values only.
+            "episode": (n,), "ends": (n,), "chunks": (c,)}``: numpy arrays and plain
+            Python values only (``ends``: the episode-index number of the episode a
+            row ends, else -1; ``chunks``: the first row of each chunk).
 
         Example:
             >>> np.savez("ckpt.npz", **buf.snapshot()["columns"])
@@ -587,7 +589,8 @@ class Buffer(Shared):
 
         Returns:
             ``{"format", "spec", "raw_bytes", "columns": {col: tensor (n, ...)},
-            "stream": int64 (n,), "episode": int64 (n,)}``.
+            "stream": int64 (n,), "episode": int64 (n,), "ends": int64 (n,),
+            "chunks": int64 (c,)}``, as ``snapshot``.
 
         Example:
             >>> torch.save(buf.state_dict(), "replay.pt")
@@ -608,7 +611,7 @@ class Buffer(Shared):
             >>> buf.load_state_dict(torch.load("replay.pt", weights_only=True))
         """
         self._check_open()
-        _checkpoint.restore(self, self._ring, _checkpoint.from_state_dict(self, state))
+        _checkpoint.restore(self, self._ring, _checkpoint.from_state_dict(state))
 
     # -- lifecycle ----------------------------------------------------------------
     def _release(self) -> None:
