@@ -567,8 +567,11 @@ class Slot:
 class Streams:
     """Cursors of one writer's streams, as arrays indexed by stream.
 
-    The writer copies a step's columns into row ``base[i] + fill[i]`` (after
-    ``ensure_room``), then calls ``publish``; nothing else moves a cursor.
+    The writer copies a step's columns into the row(s) that ``row``,
+    ``rows_all`` or ``room`` hand out (claiming a chunk when one is full),
+    then calls ``publish``, ``publish_all`` or ``publish_run``; the C fast
+    path (``appender``) moves the same cursors in the same order.  Nothing
+    else moves a cursor.
     Each stream also remembers where its current episode began, so that
     ending it logs the episode in the index.
     """
