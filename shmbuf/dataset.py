@@ -91,7 +91,9 @@ class BatchDataset(IterableDataset):
         self.batches = None if batches is None else check_int("batches", batches, 1)
         if seed is None:
             seed = buffer._random.seed
-        # Seeded like the buffer, it shares the buffer's stream in each process.
+        # Seeded like the buffer by default.  Made here it starts its own stream from the
+        # beginning (_process_rng); unpickled in a worker it continues that process's one
+        # stream of this buffer and seed.
         self._random = ProcessRandom(seed, buffer._owner_pid, buffer.name)
         self.name = buffer.name
         self.transform = transform
