@@ -15,7 +15,7 @@ from ._layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ._out import prepare_out as _prepare_out
 from ._pages import ChunkPages
 from ._process_rng import ProcessRandom
-from ._procs import is_alive, my_start_time
+from ._procs import my_start_time
 from ._ring import (Episodes, Ring, closed_message, closed_word, owner_alive, owner_record,
                     take_ownership)
 from ._handle import Shared

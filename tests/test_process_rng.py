@@ -6,7 +6,6 @@ batches.  Without a seed every process now draws from fresh OS entropy; with
 DataLoader workers are tested in test_dataset.py.
 """
 import multiprocessing as mp
-import queue
 
 import multiprocess
 import numpy as np

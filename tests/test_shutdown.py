@@ -9,7 +9,6 @@ processes and real signals; every wait has a timeout; children are killed in
 import os
 import signal
 
-import numpy as np
 import pytest
 
 import shmbuf
