@@ -94,7 +94,6 @@ class _State:
         self.ready = deque()                # filled slots, oldest first
         self.error = None
         self.stop = False
-        self.finished = False
 
 
 class Prefetcher:
@@ -230,10 +229,6 @@ def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
             closed.__cause__, exc = exc, closed
         with state.cond:
             state.error = exc
-            state.cond.notify_all()
-    finally:
-        with state.cond:
-            state.finished = True
             state.cond.notify_all()
 
 
