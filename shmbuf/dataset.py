@@ -34,7 +34,8 @@ SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest")
 
 
 def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: str) -> dict:
-    """The checked keyword arguments of ``sample_sequences`` (without ``out`` and ``rng``)."""
+    """The checked keyword arguments of ``sample_sequences`` (without ``out`` and ``rng``),
+    to pass back as ``sample_sequences(**args, out=..., rng=...)``."""
     unknown = sorted(set(sample_kwargs) - set(SAMPLE_KEYS))
     if unknown:
         raise TypeError(f"{where}: unknown arguments {unknown}; it takes batch_size, length "
@@ -159,10 +160,7 @@ class BatchDataset(IterableDataset):
             done += 1
 
     def _sample(self, buf, out, rng):
-        a = self._args
-        return buf.sample_sequences(a["batch_size"], a["length"], time_major=a["time_major"],
-                                    tail=a["tail"], uniform=a["uniform"], newest=a["newest"],
-                                    out=out, rng=rng)
+        return buf.sample_sequences(**self._args, out=out, rng=rng)
 
     def _shaped(self, batch):
         return batch if self.transform is None else self.transform(batch)

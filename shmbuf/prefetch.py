@@ -214,10 +214,7 @@ def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
             slot = slots[i]
             if stream is not None:
                 slot.copied.synchronize()   # the previous copy out of this host buffer is done
-            buffer.sample_sequences(args["batch_size"], args["length"],
-                                    time_major=args["time_major"], tail=args["tail"],
-                                    uniform=args["uniform"], newest=args["newest"],
-                                    out=slot.host, rng=gen)
+            buffer.sample_sequences(**args, out=slot.host, rng=gen)
             if stream is not None:
                 _to_device(slot, stream)
             with state.cond:
