@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 import time
@@ -206,28 +207,6 @@ def run(rounds: int = 200, n_writers: int = 3, capacity: int = 192, chunk_size: 
     return report
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=1000)
-    parser.add_argument("--writers", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--restarts", action="store_true",
-                        help="kill and restart the trainer instead (each restart adopts)")
-    args = parser.parse_args()
-    if args.restarts:
-        report = run_trainer_restarts(args.rounds, args.writers, seed=args.seed)
-        print(report.line())
-        for err in report.errors[:10]:
-            print("  ", err)
-        sys.exit(1 if report.errors or report.torn_windows or report.lost_steps else 0)
-    report = run(args.rounds, args.writers, seed=args.seed)
-    print(report.line())
-    for err in report.errors[:10]:
-        print("  ", err)
-    sys.exit(1 if report.errors or report.torn_windows or report.hangs else 0)
-
-
-
 # -- the trainer killed and restarted: every restart adopts the buffer ------------------
 @dataclass
 class RestartReport:
@@ -283,8 +262,6 @@ def _trainer_main(name: str, spec_capacity: tuple, status_fd: int) -> None:
 
 
 def _read_status(fd: int, timeout: float) -> str:
-    import select
-
     line = b""
     deadline = time.monotonic() + timeout
     while not line.endswith(b"\n"):
@@ -378,14 +355,15 @@ def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 4
             while said == "torn":  # reports of the dead trainer still in the pipe
                 report.torn_windows += 1
                 said = _read_status(status_r, HANG_SECONDS)
-            got, _, pid = said.partition(" ")
+            got, _, rest = said.partition(" ")   # "<name> <pid>", or "error <why>"
             if got == "error":
-                report.errors.append(f"round {report.rounds}: the restarted trainer failed: {pid}")
+                report.errors.append(f"round {report.rounds}: the restarted trainer failed: "
+                                     f"{rest}")
                 continue
-            if got == name and pid == str(trainer) and watcher.stats().owner_pid == trainer:
+            if got == name and rest == str(trainer) and watcher.stats().owner_pid == trainer:
                 report.adoptions += 1
             else:
-                report.errors.append(f"round {report.rounds}: trainer {trainer} said {got} {pid}")
+                report.errors.append(f"round {report.rounds}: trainer {trainer} said {got} {rest}")
             _check_fifo(watcher, published, n_writers, report)
             for _ in range(2):
                 try:
@@ -395,8 +373,6 @@ def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 4
                     report.errors.append(str(exc))
         _kill(trainer)
         trainer = None
-        import select
-
         while select.select([status_r], [], [], 0)[0]:  # what the trainers said last; no wait
             chunk = os.read(status_r, 1 << 16)
             report.torn_windows += chunk.decode().split().count("torn")
@@ -416,6 +392,27 @@ def run_trainer_restarts(rounds: int = 50, n_writers: int = 3, capacity: int = 4
         if status_w is not None:
             os.close(status_w)
     return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=1000)
+    parser.add_argument("--writers", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--restarts", action="store_true",
+                        help="kill and restart the trainer instead (each restart adopts)")
+    args = parser.parse_args()
+    report: Report | RestartReport
+    if args.restarts:
+        report = run_trainer_restarts(args.rounds, args.writers, seed=args.seed)
+        failed = report.lost_steps
+    else:
+        report = run(args.rounds, args.writers, seed=args.seed)
+        failed = report.hangs
+    print(report.line())
+    for err in report.errors[:10]:
+        print("  ", err)
+    sys.exit(1 if report.errors or report.torn_windows or failed else 0)
 
 
 if __name__ == "__main__":
