@@ -284,11 +284,17 @@ def _corrupt(path, how):
 def test_a_damaged_save_is_a_clear_error_and_creates_nothing(saved, how, says):
     _, path = saved
     _corrupt(path, how)
-    before = set(os.listdir("/dev/shm"))
+    before = _our_segments()
     with pytest.raises(shmbuf.CorruptSaveError, match=says) as info:
         shmbuf.load(path)
     assert isinstance(info.value, ValueError) and str(path) in str(info.value)
-    assert set(os.listdir("/dev/shm")) <= before
+    assert _our_segments() <= before
+
+
+def _our_segments():
+    """This test session's segments (load names them with its tag; others' runs come and go)."""
+    mine = "shmbuf-" + os.environ["SHMBUF_NAME_TAG"]
+    return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
 
 
 def test_loading_nothing(tmp_path):
