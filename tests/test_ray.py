@@ -192,13 +192,22 @@ def write_episodes(state, rb, wid: int, steps: int, cut_at: int | None = None,
             "blocks": getattr(w, "blocks_shipped", 0)}
 
 
-def write_until_error(state, wid: int, steps: int):
-    """Keep writing with an existing writer; return the error that stopped it, if any."""
+def write_until_error(state, wid: int, timeout_s: float):
+    """Keep writing with an existing writer until it fails or ``timeout_s`` passes.
+
+    Returns the error that stopped it, or None at the deadline. A kill is asynchronous
+    (``ray.kill`` returns before the process is gone), so a fixed number of steps could all
+    land while the shard still lives; writing until a deadline cannot race it.
+    """
     w = state[wid]
+    deadline = time.monotonic() + timeout_s
+    s = 0
     try:
-        for s in range(steps):
-            w.add(wid=wid, step=s, obs=np.zeros((3, 8, 8), np.uint8), done=False)
-        w.flush()
+        while time.monotonic() < deadline:
+            for _ in range(256):
+                w.add(wid=wid, step=s, obs=np.zeros((3, 8, 8), np.uint8), done=False)
+                s += 1
+            w.flush()
     except Exception as exc:
         state.pop(wid)
         return type(exc).__name__, str(exc), isinstance(exc, sray.ShardLostError)
@@ -435,7 +444,7 @@ def test_a_dead_node_is_dropped_and_its_writers_get_a_clear_error(cluster, rb, c
         stats = {s.node_id: s for s in rb.stats()}
         assert stats[extra.node_id].health == "lost", stats
         assert any("dropped the shard" in r.message for r in caplog.records)
-        err = ray.get(agents["n2"].run.remote(write_until_error, 9, 100_000), timeout=T)
+        err = ray.get(agents["n2"].run.remote(write_until_error, 9, T / 2), timeout=T)
         assert err is not None and err[2], err            # a ShardLostError
         assert extra.node_id in err[1] and "rb.writer()" in err[1]
         here.close()
@@ -452,7 +461,7 @@ def test_a_dead_shard_actor_is_replaced_by_refresh(cluster, rb):
         got = ray.get(agents["n1"].run.remote(write_episodes, rb, 3, 100), timeout=T)
         assert got["mode"] == "shm"
         ray.kill(old.actor, no_restart=True)             # the actor dies, its node lives on
-        err = ray.get(agents["n1"].run.remote(write_until_error, 3, 5_000), timeout=T)
+        err = ray.get(agents["n1"].run.remote(write_until_error, 3, T / 2), timeout=T)
         assert err is not None and err[0] in ("ShardLostError", "BufferClosedError"), err
         assert rb.refresh() == {"added": [ids["n1"]], "dropped": [ids["n1"]]}
         new = next(s for s in rb.shards if s.node_id == ids["n1"])
