@@ -3,33 +3,52 @@
 A worker that gathered each batch into fresh shared memory paid for its page
 faults (about 4x the gather itself for W1 batches), so the DataLoader ran far
 below direct sampling.  Instead each worker keeps ``SLOTS`` batch-sized
-regions of one torch shared storage and a shared state word per region
-(0 free, 1 lent).  The worker gathers into a free region and yields a
-``Handoff``; unpickled in the trainer it becomes a plain dict of tensors
-over that region, and when the last tensor (or numpy view) over it is freed
-the region's state goes back to 0.  With every region lent (the trainer
-keeps many batches), the worker falls back to fresh shared memory, so
-nothing ever waits and no batch is overwritten while the trainer holds it.
+regions in one memfd, after a header of one state word per region (0 free,
+1 lent).  The worker gathers into a free region and yields a ``Handoff``;
+unpickled in the trainer it becomes a plain dict of tensors over that
+region, and when the last tensor (or numpy view) over it is freed the
+region's state goes back to 0.  With every region lent (the trainer keeps
+many batches), the worker falls back to fresh shared memory, so nothing ever
+waits and no batch is overwritten while the trainer holds it.
 
-The storage and the state travel as torch shared storages (file descriptors,
-mapped once per process while in use: torch caches them).
+How the memory travels: a ``Handoff`` pickles to a few ints, the worker's
+pid and start time, the memfd's descriptor number and inode, and the slot.
+The trainer opens the memfd once through ``/proc/PID/fd/N`` (the kernel's
+ptrace-read check: the same user, and under Yama a parent may open its
+children's, as a trainer does its DataLoader workers'), checks the inode,
+maps it and keeps the mapping for the worker's lifetime.  Pickling torch
+shared storages instead sends their descriptors through multiprocessing's
+resource sharer, an authenticated socket connection per storage per batch:
+about 1.5 ms of the trainer's time each, which held the DataLoader near
+60% of direct sampling on W1 (``benchmarks/bench_trainer.py``).  A memfd has
+no name, so nothing is left in /dev/shm whatever happens to the worker.
 """
 from __future__ import annotations
 
 import ctypes
+import mmap
+import os
 import weakref
 
 import numpy as np
 import torch
 
+from ._procs import is_alive, my_start_time
+
 SLOTS = 4
 _ALIGN = 64
+_HEADER = 64  # the state words, one int64 per slot
+
+
+def available() -> bool:
+    """True where a worker can share a pool this way (Linux: memfd and /proc)."""
+    return hasattr(os, "memfd_create") and os.path.isdir("/proc/self/fd")
 
 
 class SlotPool:
     """A worker's ``SLOTS`` reusable batch regions, for ``spec`` with leading dims ``lead``."""
 
-    def __init__(self, spec: dict, lead: tuple, torch_dtype):
+    def __init__(self, spec: dict, lead: tuple):
         self.layout = []
         at = 0
         for name, (shape, dtype) in spec.items():
@@ -38,13 +57,19 @@ class SlotPool:
             self.layout.append((name, lead + shape, dtype.str, at, nbytes))
             at += -(-nbytes // _ALIGN) * _ALIGN
         self.slot_bytes = max(at, _ALIGN)
-        self.storage = torch.UntypedStorage._new_shared(SLOTS * self.slot_bytes)
-        self.state = torch.zeros(SLOTS, dtype=torch.int64).share_memory_()
-        self._state = self.state.numpy()
-        self._views = [{name: torch.empty(0, dtype=torch_dtype(np.dtype(dt))).set_(  # type: ignore[call-overload]  # stride is optional
-                            self.storage, (s * self.slot_bytes + off) // np.dtype(dt).itemsize,
-                            shape)
-                        for name, shape, dt, off, _ in self.layout} for s in range(SLOTS)]
+        self.size = _HEADER + SLOTS * self.slot_bytes
+        self.fd = os.memfd_create("shmbuf-handoff", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.size)
+            self.mm = mmap.mmap(self.fd, self.size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        # What a Handoff sends: enough to open, check and map the memfd in another process.
+        self.address = (os.getpid(), my_start_time(), self.fd, os.fstat(self.fd).st_ino,
+                        self.size)
+        self._state = np.frombuffer(self.mm, np.int64, SLOTS)
+        self._views = [_tensors(self.mm, s, self.slot_bytes, self.layout) for s in range(SLOTS)]
 
     def take(self) -> int | None:
         """A free region, now lent; None if every region is lent."""
@@ -66,6 +91,17 @@ class SlotPool:
         self._state[slot] = 0
 
 
+def _tensors(mm, slot: int, slot_bytes: int, layout: list, region=None) -> dict:
+    """Tensors over region ``slot`` of mapping ``mm`` (over ``region``, a buffer of it, if given)."""
+    if region is None:
+        start = _HEADER + slot * slot_bytes
+        raw = np.frombuffer(mm, np.uint8, slot_bytes, start)
+    else:
+        raw = np.frombuffer(region, np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
+    return {name: torch.from_numpy(raw[off:off + nbytes].view(np.dtype(dt)).reshape(shape))
+            for name, shape, dt, off, nbytes in layout}
+
+
 class Handoff:
     """A filled region on its way to the trainer; pickles to what ``receive`` needs."""
 
@@ -74,20 +110,55 @@ class Handoff:
 
     def __reduce__(self):
         p = self.pool
-        return receive, (p.storage, p.state, self.slot, p.slot_bytes, p.layout, self.transform)
+        return receive, (p.address, self.slot, p.slot_bytes, p.layout, self.transform)
 
 
-def receive(storage, state, slot: int, slot_bytes: int, layout: list, transform=None):
+# The pools this process has mapped: (pid, inode) -> (start time, mapping).  An entry
+# goes when its worker has died and a new pool is mapped; its batches keep the mapping.
+_mapped: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
+
+
+def _mapping(pid: int, start: int, fd: int, inode: int, size: int) -> mmap.mmap:
+    """The worker's pool, mapped once per process."""
+    got = _mapped.get((pid, inode))
+    if got is not None:
+        return got[1]
+    for key, (began, _) in list(_mapped.items()):
+        if not is_alive(key[0], began):
+            del _mapped[key]
+    where = f"/proc/{pid}/fd/{fd}"
+    try:
+        opened = os.open(where, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(
+            f"a DataLoader batch of shmbuf lives in worker pid {pid}'s memory, which this "
+            f"process (pid {os.getpid()}) cannot open at {where} ({exc.strerror}): the worker "
+            "has exited, or this process may not read its descriptors (another user, or a "
+            "Yama ptrace_scope above 1). Iterate the DataLoader in the process that started "
+            "its workers") from None
+    try:
+        st = os.fstat(opened)
+        if st.st_ino != inode or st.st_size < size or not is_alive(pid, start):
+            raise RuntimeError(f"a DataLoader batch of shmbuf names worker pid {pid}'s memory "
+                               f"at {where}, but that worker has exited")
+        mm = mmap.mmap(opened, size)
+    finally:
+        os.close(opened)
+    _mapped[(pid, inode)] = (start, mm)
+    return mm
+
+
+def receive(address: tuple, slot: int, slot_bytes: int, layout: list, transform=None):
     """In the trainer: the batch as tensors over the region; freeing them frees the region."""
-    region = (ctypes.c_uint8 * slot_bytes).from_address(storage.data_ptr() + slot * slot_bytes)
-    # The finalizer holds the storage (so the mapping outlives the views) and runs when
-    # the last array or tensor over the region is gone.
-    weakref.finalize(region, _release, state, slot, storage)
-    raw = np.frombuffer(region, np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
-    batch = {name: torch.from_numpy(raw[off:off + nbytes].view(np.dtype(dt)).reshape(shape))
-             for name, shape, dt, off, nbytes in layout}
+    pid, start, fd, inode, size = address
+    mm = _mapping(pid, start, fd, inode, size)
+    region = (ctypes.c_uint8 * slot_bytes).from_buffer(mm, _HEADER + slot * slot_bytes)
+    # The finalizer holds the mapping (the region does too) and runs when the last
+    # array or tensor over the region is gone.
+    weakref.finalize(region, _release, mm, slot)
+    batch = _tensors(mm, slot, slot_bytes, layout, region)
     return batch if transform is None else transform(batch)
 
 
-def _release(state, slot: int, storage) -> None:
-    state[slot] = 0
+def _release(mm: mmap.mmap, slot: int) -> None:
+    np.frombuffer(mm, np.int64, SLOTS)[slot] = 0

@@ -167,12 +167,11 @@ class BatchDataset(IterableDataset):
 
     def _pool(self):
         """This worker's reusable regions (``shmbuf._handoff``), made once per process."""
-        from ._handoff import SlotPool
+        from . import _handoff
 
         if self._slot_pool is None or self._slot_pool[0] != os.getpid():
-            # torch's private _new_shared: without it, fresh shared memory per batch
-            pool = (SlotPool(self._spec, self._lead(), torch_dtype)
-                    if hasattr(torch.UntypedStorage, "_new_shared") else None)
+            # Without memfd and /proc (not Linux): fresh shared memory per batch
+            pool = _handoff.SlotPool(self._spec, self._lead()) if _handoff.available() else None
             self._slot_pool = (os.getpid(), pool)
         return self._slot_pool[1]
 

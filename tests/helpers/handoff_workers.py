@@ -1,0 +1,27 @@
+"""A process that lends batch regions like a DataLoader worker (``shmbuf._handoff``)."""
+import pickle
+
+import numpy as np
+
+SPEC = {"x": ((3,), np.int64), "y": ((), np.float32)}
+LEAD = (4, 2)
+
+
+def lend_batches(conn, n: int) -> None:
+    """Fill ``n`` regions (x = region number), send their pickled handoffs, then answer
+    "state" with the regions' state words until told "stop"."""
+    from shmbuf._handoff import SlotPool
+
+    pool = SlotPool(SPEC, LEAD)
+    payloads = []
+    for i in range(n):
+        slot = pool.take()
+        out = pool.tensors(slot)
+        out["x"].fill_(i)
+        out["y"].fill_(i + 0.5)
+        payloads.append(pickle.dumps(pool.handoff(slot)))
+    conn.send(payloads)
+    while conn.poll(60):
+        if conn.recv() != "state":
+            return
+        conn.send(pool._state.tolist())
