@@ -97,7 +97,7 @@ def _tensors(mm, slot: int, slot_bytes: int, layout: list, region=None) -> dict:
         start = _HEADER + slot * slot_bytes
         raw = np.frombuffer(mm, np.uint8, slot_bytes, start)
     else:
-        raw = np.frombuffer(region, np.uint8)  # type: ignore[call-overload]  # a ctypes array is a buffer
+        raw = np.frombuffer(region, np.uint8)
     return {name: torch.from_numpy(raw[off:off + nbytes].view(np.dtype(dt)).reshape(shape))
             for name, shape, dt, off, nbytes in layout}
 
