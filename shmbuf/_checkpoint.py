@@ -3,9 +3,11 @@
 The copy goes chunk by chunk, oldest claim first, straight into arrays
 sized for every live row: one extra copy of the live data at most, never
 two.  Each chunk is validated after its copy like a sample (``Ring.unchanged``):
-a chunk recycled meanwhile is dropped, the next chunk is copied over its
-rows, and the rest of its stream gets a stream id of its own so that no
-window ever joins the steps on both sides of the hole.  The result is a set
+a chunk recycled meanwhile is dropped, and the next chunk is copied over its
+rows.  ``StreamIds`` splits streams at holes: a chunk that its stream's
+previous copied chunk does not link to (by chunk and seq) starts a stream
+id of its own, so that no window ever joins the steps on both sides of a
+hole.  ``Buffer.save`` splits streams by the same rule.  The result is a set
 of whole chunks, never a torn step.
 
 Restoring replays the steps through writers, one per stream, in the
@@ -41,28 +43,51 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     recycled while they were copied).
     """
     live = ring.live_chunks()
+    nxt, nxt_seq = ring.links(live.chunk)
     total = int(live.count.sum())
     out = {name: empty(name, total) for name in names}
     stream = np.empty(total, np.int64)
     original = np.empty(total, np.int64)
-    renamed: dict[int, int] = {}
+    ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
     starts = []
-    next_id = int(live.stream.max()) + 1 if total else 0
     at = 0
-    for chunk, seq, count, sid, base in zip(live.chunk.tolist(), live.seq.tolist(),
-                                            live.count.tolist(), live.stream.tolist(),
-                                            live.base.tolist()):
+    for i, (chunk, seq, count, sid, base) in enumerate(zip(
+            live.chunk.tolist(), live.seq.tolist(), live.count.tolist(), live.stream.tolist(),
+            live.base.tolist())):
         for name in names:
             out[name][at:at + count] = views[name][base:base + count]
-        if not ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
-            renamed[sid] = next_id   # recycled while copied: what follows is a new stream
-            next_id += 1
-            continue
-        stream[at:at + count] = renamed.get(sid, sid)
+        if not ring.unchanged(live.chunk[i:i + 1], live.seq[i:i + 1])[0]:
+            continue   # recycled while copied: the next chunk goes over these rows
+        stream[at:at + count] = ids.of(sid, chunk, seq, int(nxt[i]), int(nxt_seq[i]))
         original[at:at + count] = sid
         starts.append(at)
         at += count
     return out, stream, original, np.array(starts, np.int64), at
+
+
+class StreamIds:
+    """Stream ids for copied chunks, split at holes (see the module docstring).
+
+    ``of`` is called for each chunk kept, oldest claim first, with the
+    chunk's successor link as read before the copy; ids from ``first_gap_id``
+    on are given to the parts of streams after a hole.
+    """
+
+    def __init__(self, first_gap_id: int):
+        self._next_gap_id = first_gap_id
+        self._successor: dict[int, tuple[int, int]] = {}   # stream -> (chunk, seq) it links to
+        self._id: dict[int, int] = {}
+
+    def of(self, stream: int, chunk: int, seq: int, next_chunk: int, next_seq: int) -> int:
+        """The id of chunk ``(chunk, seq)`` of ``stream``, which links to ``next_chunk``."""
+        prev = self._successor.get(stream)
+        if prev is None:
+            self._id.setdefault(stream, stream)
+        elif prev != (chunk, seq):
+            self._id[stream] = self._next_gap_id
+            self._next_gap_id += 1
+        self._successor[stream] = (next_chunk, next_seq)
+        return self._id[stream]
 
 
 def episode_ends(ring: Ring, original: np.ndarray, episode: np.ndarray) -> np.ndarray:

@@ -44,6 +44,7 @@ import time
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ._checkpoint import FORMAT as STATE_FORMAT, StreamIds
 from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
 from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
 
@@ -148,9 +149,7 @@ class _Writer:
         self.logged = max(0, self.ring.episodes_logged() - self.ring.layout.episode_slots)
         self.rows = rows          # rows written and validated
         self.committed = rows     # rows the manifest names
-        self.successor: dict[int, tuple[int, int]] = {}  # stream -> (chunk, seq) it links to
-        self.saved_id: dict[int, int] = {}
-        self.next_gap_id = GAP_IDS
+        self.ids = StreamIds(GAP_IDS)   # a Saver's later calls continue the same streams
         self.dropped = 0
 
     def write_chunks(self, chunks) -> int:
@@ -171,10 +170,9 @@ class _Writer:
             self.columns[EPISODE].write(self.rows, eps)
             self.columns[ENDS].write(self.rows, np.full(count, -1, np.int64))
             self.columns[STREAM].write(self.rows, np.full(
-                count, self._stream_id(stream, chunk, seq), np.int64))
+                count, self.ids.of(stream, chunk, seq, int(nxt[i]), int(nxt_seq[i])), np.int64))
             self.chunk_starts.write(self.n_chunks, np.array([self.rows], np.int64))
             self.n_chunks += 1
-            self.successor[stream] = (int(nxt[i]), int(nxt_seq[i]))
             for ep, back in zip(*np.unique(eps[::-1], return_index=True)):
                 self.last_row[(stream, int(ep))] = self.rows + count - 1 - int(back)
             self.newest_ep[stream] = max(self.newest_ep.get(stream, -1), int(eps.max()))
@@ -182,16 +180,6 @@ class _Writer:
         for col in self.columns.values():
             col.truncate(self.rows)  # drop what a recycled last chunk left
         return self.rows - before
-
-    def _stream_id(self, stream: int, chunk: int, seq: int) -> int:
-        """The saved id of ``stream``; a fresh one when its previous chunk does not link here."""
-        prev = self.successor.get(stream)
-        if prev is None:
-            self.saved_id.setdefault(stream, stream)
-        elif prev != (chunk, seq):
-            self.saved_id[stream] = self.next_gap_id
-            self.next_gap_id += 1
-        return self.saved_id[stream]
 
     def mark_ends(self, final: bool) -> None:
         """Write, at the last saved row of each finished episode, its index number.
@@ -467,7 +455,6 @@ def open_save(path) -> tuple[dict, dict]:
     chunks = _open_column(path, CHUNKS, i8, (), manifest["chunks"])
     if len(chunks) and (chunks[0] != 0 or (np.diff(chunks) <= 0).any() or chunks[-1] >= rows):
         raise _bad(path, f"{CHUNKS}.npy does not list increasing chunk starts within the rows")
-    from ._checkpoint import FORMAT as STATE_FORMAT
 
     state = {"format": STATE_FORMAT,
              "spec": {k: (list(shape), dt.str) for k, (shape, dt) in manifest["spec"].items()},

@@ -168,3 +168,16 @@ def test_a_chunk_recycled_while_copied_is_left_out_and_splits_its_stream(make_bu
     other.load_state_dict(sd)
     for _ in range(10):   # no window joins the two sides of the hole
         verify_batch(other.sample_sequences(16, 20))
+
+
+def test_stream_ids_split_a_stream_where_its_chunks_do_not_link():
+    """The one rule state_dict and save both split streams by (``_checkpoint.StreamIds``)."""
+    from shmbuf._checkpoint import StreamIds
+
+    ids = StreamIds(first_gap_id=100)
+    assert ids.of(7, chunk=3, seq=10, next_chunk=5, next_seq=12) == 7   # a stream's first chunk
+    assert ids.of(8, chunk=4, seq=11, next_chunk=-1, next_seq=0) == 8   # another stream
+    assert ids.of(7, chunk=5, seq=12, next_chunk=9, next_seq=20) == 7   # linked: same stream
+    assert ids.of(7, chunk=2, seq=30, next_chunk=-1, next_seq=0) == 100  # (9, 20) was lost
+    assert ids.of(7, chunk=6, seq=31, next_chunk=-1, next_seq=0) == 101  # unlinked again
+    assert ids.of(8, chunk=1, seq=32, next_chunk=-1, next_seq=0) == 102
