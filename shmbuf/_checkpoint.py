@@ -43,26 +43,41 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     recycled while they were copied).
     """
     live = ring.live_chunks()
-    nxt, nxt_seq = ring.links(live.chunk)
     total = int(live.count.sum())
     out = {name: empty(name, total) for name in names}
     stream = np.empty(total, np.int64)
     original = np.empty(total, np.int64)
-    ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
     starts = []
     at = 0
-    for i, (chunk, seq, count, sid, base) in enumerate(zip(
-            live.chunk.tolist(), live.seq.tolist(), live.count.tolist(), live.stream.tolist(),
-            live.base.tolist())):
+
+    def copy(base: int, count: int) -> None:
         for name in names:
             out[name][at:at + count] = views[name][base:base + count]
-        if not ring.unchanged(live.chunk[i:i + 1], live.seq[i:i + 1])[0]:
-            continue   # recycled while copied: the next chunk goes over these rows
-        stream[at:at + count] = ids.of(sid, chunk, seq, int(nxt[i]), int(nxt_seq[i]))
-        original[at:at + count] = sid
+
+    ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
+    for i, sid in copy_chunks(ring, live, copy, ids):
+        count = int(live.count[i])
+        stream[at:at + count] = sid
+        original[at:at + count] = live.stream[i]
         starts.append(at)
         at += count
     return out, stream, original, np.array(starts, np.int64), at
+
+
+def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int], None], ids: "StreamIds"):
+    """Copy ``chunks`` (``Ring.live_chunks()``, oldest claim first), validating each.
+
+    For each chunk, ``copy(first row, rows)`` copies its rows out; then, if
+    the chunk was not recycled meanwhile, this yields ``(i, stream id)``
+    (``ids`` splits streams at holes).  A chunk recycled during its copy is
+    skipped: the caller copies the next one over the same place.
+    """
+    nxt, nxt_seq = ring.links(chunks.chunk)
+    for i in range(len(chunks.chunk)):
+        copy(int(chunks.base[i]), int(chunks.count[i]))
+        if ring.unchanged(chunks.chunk[i:i + 1], chunks.seq[i:i + 1])[0]:
+            yield i, ids.of(int(chunks.stream[i]), int(chunks.chunk[i]), int(chunks.seq[i]),
+                            int(nxt[i]), int(nxt_seq[i]))
 
 
 class StreamIds:

@@ -44,7 +44,7 @@ import time
 import numpy as np
 from numpy.typing import DTypeLike
 
-from ._checkpoint import FORMAT as STATE_FORMAT, StreamIds
+from ._checkpoint import FORMAT as STATE_FORMAT, StreamIds, copy_chunks
 from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
 from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
 
@@ -155,28 +155,29 @@ class _Writer:
     def write_chunks(self, chunks) -> int:
         """Append each chunk that stays intact while written; return the rows added."""
         before = self.rows
-        nxt, nxt_seq = self.ring.links(chunks.chunk)
-        for i in range(len(chunks.chunk)):
-            chunk, seq = int(chunks.chunk[i]), int(chunks.seq[i])
-            count, stream, base = int(chunks.count[i]), int(chunks.stream[i]), int(chunks.base[i])
-            rows = slice(base, base + count)
-            eps = self.views[EP_COLUMN][rows].copy()  # 8 bytes a row: the only copy
+        eps = np.empty(0, np.int64)
+
+        def copy(base: int, count: int) -> None:   # straight from the mapping
+            nonlocal eps
+            eps = self.views[EP_COLUMN][base:base + count].copy()  # 8 bytes a row: the only copy
             for name, col in self.columns.items():
-                if name not in (STREAM, EPISODE, ENDS):  # straight from the mapping
-                    col.write(self.rows, self.views[name][rows])
-            if not self.ring.unchanged(chunks.chunk[i:i + 1], chunks.seq[i:i + 1])[0]:
-                self.dropped += 1
-                continue  # recycled while written: the next chunk overwrites these rows
+                if name not in (STREAM, EPISODE, ENDS):
+                    col.write(self.rows, self.views[name][base:base + count])
+
+        kept = 0
+        for i, sid in copy_chunks(self.ring, chunks, copy, self.ids):
+            kept += 1
+            count, stream = int(chunks.count[i]), int(chunks.stream[i])
             self.columns[EPISODE].write(self.rows, eps)
             self.columns[ENDS].write(self.rows, np.full(count, -1, np.int64))
-            self.columns[STREAM].write(self.rows, np.full(
-                count, self.ids.of(stream, chunk, seq, int(nxt[i]), int(nxt_seq[i])), np.int64))
+            self.columns[STREAM].write(self.rows, np.full(count, sid, np.int64))
             self.chunk_starts.write(self.n_chunks, np.array([self.rows], np.int64))
             self.n_chunks += 1
             for ep, back in zip(*np.unique(eps[::-1], return_index=True)):
                 self.last_row[(stream, int(ep))] = self.rows + count - 1 - int(back)
             self.newest_ep[stream] = max(self.newest_ep.get(stream, -1), int(eps.max()))
             self.rows += count
+        self.dropped += len(chunks.chunk) - kept   # recycled while written
         for col in self.columns.values():
             col.truncate(self.rows)  # drop what a recycled last chunk left
         return self.rows - before
