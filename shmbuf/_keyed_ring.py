@@ -34,18 +34,26 @@ Protocol, a seqlock on the monotonic ``count``:
 One writer per key at a time: two processes appending to the same key at
 once would write the same slot and publish the same count.  Any number of
 processes may read, and reset is safe against a concurrent append.
+
+The closed mark (the header's closed word, set by every unlink through
+``_ring.mark_closed``): ``check_open`` is one relaxed load, made by
+``KeyedRings`` on every call, so a worker whose owner closed the rings
+stops with BufferClosedError instead of writing on into unlinked memory.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import numpy as np
 
 from . import _atomic as atomic
-from ._errors import SampleRetryError
-from ._layout import CHUNK_ENTRY, CHUNK_FIELDS, Layout
+from ._errors import BufferClosedError, SampleRetryError
+from ._layout import CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, Layout
+from ._ring import closed_message
 
 MAX_ATTEMPTS = 100
+_CLOSED = COUNTERS["closed"]
 
 # gather(keys, count, lengths) -> (copies, oldest position copied per key)
 Gather = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[dict, np.ndarray]]
@@ -58,14 +66,27 @@ class KeyWords:
     them), or ``self.all`` itself, which skips the fancy indexing.
     """
 
-    def __init__(self, mm, layout: Layout, max_len: int, label: str):
+    def __init__(self, mm, layout: Layout, max_len: int, name: str):
         self._mm = mm
         self.n_keys, self.ring_len, self.max_len = layout.n_chunks, layout.chunk_size, max_len
-        self._label = label
+        self._name = name
+        self._label = f"keyed rings {name!r}"
+        # The closed word as a memoryview: a plain aligned load (relaxed) per check.
+        self._closed = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
         self.all = np.arange(self.n_keys, dtype=np.int64)
         base = layout.chunks_offset + self.all * CHUNK_ENTRY
         self._count = base + CHUNK_FIELDS["count"]
         self._next = base + CHUNK_FIELDS["next"]
+
+    def check_open(self) -> None:
+        """Raise BufferClosedError once another process closed the rings (one relaxed load).
+
+        The process that closed them is not stopped: after ``unlink()`` an
+        owner may keep using its mapping.
+        """
+        word = self._closed[0]
+        if word and word & 0xFFFFFFFF != os.getpid():
+            raise BufferClosedError(closed_message(self._name, word))
 
     def _load(self, table: np.ndarray, keys: np.ndarray) -> np.ndarray:
         offsets = table if keys is self.all else table[keys]

@@ -21,8 +21,9 @@ import posix_ipc
 from . import _ring
 from ._layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, decode_header
 from ._wait import poll
-from ._errors import (BufferClosedError, CorruptSegmentError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
+from ._errors import (BufferClosedError, CorruptSegmentError, OwnerAliveError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
+from ._procs import my_start_time
 
 ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
 PREFIX = "shmbuf-"
@@ -135,6 +136,28 @@ class Segment:
         seg = cls()
         seg.name, seg.mmap, seg.size, seg.owner = name, mm, size, owner
         return seg
+
+    def admit(self, own: bool = False) -> None:
+        """Attach's last check, for every kind: refuse a closed buffer; with ``own``, adopt it.
+
+        Adopting takes the owner record from a dead owner (``_ring.take_ownership``)
+        and makes this the owner: it unlinks the segment at close.
+
+        Raises:
+            BufferClosedError: its owner closed it (it is being removed).
+            OwnerAliveError: ``own`` and the owner is alive, or a rival adopted it first.
+        """
+        word = _ring.closed_word(self.mmap)
+        if word:
+            raise BufferClosedError(_ring.closed_message(self.name, word))
+        if own:
+            live = _ring.take_ownership(self.mmap, os.getpid(), my_start_time())
+            if live:
+                raise OwnerAliveError(
+                    f"buffer {self.name!r} is owned by pid {live}, which is alive; "
+                    "attach(name, own=True) takes over only a buffer whose owner died. Attach "
+                    f"without own=True to share it, or stop pid {live} first")
+            self.owner = True  # this process unlinks it now
 
     def publish(self, header: bytes) -> None:
         """Write ``header`` at offset 0, its magic last: attachers wait for it."""

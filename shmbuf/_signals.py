@@ -89,6 +89,16 @@ def watch(handle, handle_signals: bool | None) -> None:
     _install(current)
 
 
+def watch_or_close(handle, handle_signals: bool | None):
+    """``watch(handle, handle_signals)`` and return ``handle``; close it if that fails."""
+    try:
+        watch(handle, handle_signals)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
 def forget(handle) -> None:
     """``handle`` no longer owns an open segment; restore the old handler after the last."""
     _owned.discard(handle)

@@ -11,8 +11,11 @@ The header's ``kind`` is ``KIND_KEYED`` and its JSON metadata holds
 
 The protocol (which words, in which order, who may write) lives in
 ``_keyed_ring``; this module checks arguments, moves the column data, and
-gives keyed rings the lifecycle every shmbuf object has (``_handle``).
-HistoryBuffer is built on them.
+gives keyed rings the lifecycle every shmbuf object has (``_handle``), with
+the step store's rules for stopping and crashing: every call checks the
+closed mark (a worker whose owner closed the rings gets BufferClosedError),
+``attach`` refuses closed rings, and ``attach(name, own=True)`` takes over
+rings whose owner died.  HistoryBuffer is built on them.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import time
 
 import numpy as np
 
+from . import _signals
 from ._args import check_int
 from ._cast import coerce
 from ._errors import CorruptSegmentError
@@ -49,16 +53,16 @@ class KeyedRings(Shared):
         self._meta = meta
         self.n_keys, self.ring_len = layout.n_chunks, layout.chunk_size
         self.max_len = int(meta["max_len"])
-        self._words = KeyWords(segment.mmap, layout, self.max_len,
-                               f"keyed rings {segment.name!r}")
+        self._words = KeyWords(segment.mmap, layout, self.max_len, segment.name)
         self._views = column_views(segment, layout, layout.user_columns)
         self._base = self._words.all * self.ring_len  # first row of each key's ring
         self._open(segment)
 
     @classmethod
-    def attach(cls, name: str, *, timeout: float = ATTACH_TIMEOUT) -> "KeyedRings":
+    def attach(cls, name: str, *, timeout: float = ATTACH_TIMEOUT, own: bool = False,
+               handle_signals: bool | None = None) -> "KeyedRings":
         """``keyed.attach``; what a pickled copy calls."""
-        return attach(name, timeout=timeout)
+        return attach(name, timeout=timeout, own=own, handle_signals=handle_signals)
 
     # -- identity ---------------------------------------------------------------
     @property
@@ -87,8 +91,13 @@ class KeyedRings(Shared):
                 for k, v in self._views.items()}
 
     # -- indexes ----------------------------------------------------------------
-    def _keys(self, keys, verb: str, distinct: bool) -> np.ndarray:
+    def _check_live(self) -> None:
+        """Closed here, or by the owner (or ``shmbuf rm``) in another process: raise."""
         self._check_open()
+        self._words.check_open()
+
+    def _keys(self, keys, verb: str, distinct: bool) -> np.ndarray:
+        self._check_live()
         if keys is None:
             return self._words.all
         arr = np.asarray(keys)
@@ -107,11 +116,12 @@ class KeyedRings(Shared):
 
         ``start`` may exceed ``count`` for a key reset after its count was read.
         """
-        return self._words.bounds(self._keys(keys, "bounds", False))
+        keys = self._keys(keys, "bounds", False)
+        return self._words.bounds(keys)
 
     def bounds_of(self, key: int) -> tuple[int, int]:
         """``bounds`` of one key, as ints (cheaper than the array form)."""
-        self._check_open()
+        self._check_live()
         if isinstance(key, bool) or not isinstance(key, (int, np.integer)) \
                 or not 0 <= key < self.n_keys:
             raise IndexError(f"bounds_of: key {key!r} is not an int in [0, {self.n_keys})")
@@ -119,7 +129,8 @@ class KeyedRings(Shared):
 
     def counts(self, keys=None) -> np.ndarray:
         """Entries ever appended per key (monotonic; resets do not lower it)."""
-        return self._words.counts(self._keys(keys, "counts", False))
+        keys = self._keys(keys, "counts", False)
+        return self._words.counts(keys)
 
     def lengths(self, keys=None) -> np.ndarray:
         """Live entries per key, at most ``max_len``."""
@@ -151,7 +162,7 @@ class KeyedRings(Shared):
         Raises:
             KeyError / ValueError / TypeError / IndexError: a bad key, column,
                 shape or dtype; nothing is written.
-            BufferClosedError: closed.
+            BufferClosedError: closed, here or by the owner in another process.
 
         Example:
             >>> rings.append([0, 3], {"x": np.zeros((2, 4), np.float32)})
@@ -171,7 +182,8 @@ class KeyedRings(Shared):
         Example:
             >>> rings.reset([2])
         """
-        self._words.reset(self._keys(keys, "reset", False))
+        keys = self._keys(keys, "reset", False)
+        self._words.reset(keys)
 
     # -- reading ----------------------------------------------------------------
     def read(self, keys, select, columns: dict | None = None
@@ -269,7 +281,9 @@ class KeyedRings(Shared):
 
     # -- lifecycle --------------------------------------------------------------
     def _release(self) -> None:
-        self._views = None  # type: ignore[assignment]  # closed: nothing reads the views again
+        _signals.forget(self)
+        # Closed: every method raises before it reads them, and the mapping can go.
+        self._views = self._words = None  # type: ignore[assignment]
 
     def __repr__(self):
         state = "closed" if self._closed else f"n_keys={self.n_keys} max_len={self.max_len}"
@@ -322,11 +336,13 @@ def create(spec: dict, n_keys: int, max_len: int, *, spare: int = DEFAULT_SPARE,
         raise
 
 
-def open_segment(segment: Segment, layout: Layout, owner: dict) -> KeyedRings:
+def open_segment(segment: Segment, layout: Layout, owner: dict, *, own: bool = False,
+                 handle_signals: bool | None = None, made_by: str | None = None) -> KeyedRings:
     """Keyed rings over an attached ``segment`` whose header was decoded as ``(layout, owner)``.
 
-    Closes ``segment`` and raises CorruptSegmentError if they are not
-    consistent keyed rings.
+    Refuses rings their owner closed; with ``own``, adopts them first (see
+    ``attach``).  ``made_by``: refuse, before adopting, rings whose meta
+    names another ``facade``.  Closes ``segment`` and raises on any refusal.
     """
     try:
         meta = owner["meta"]
@@ -336,45 +352,69 @@ def open_segment(segment: Segment, layout: Layout, owner: dict) -> KeyedRings:
                 or layout.capacity != layout.n_chunks * layout.chunk_size):
             raise CorruptSegmentError(f"segment {segment.name!r} has an inconsistent keyed "
                                       f"layout (max_len {max_len!r}, ring {layout.chunk_size})")
-        return KeyedRings(segment, layout, meta)
+        theirs = meta.get("user", {}).get("facade")
+        if made_by is not None and theirs != made_by:
+            raise CorruptSegmentError(f"segment {segment.name!r} holds keyed rings that were "
+                                      f"not made by a {made_by} (made by "
+                                      f"{theirs or 'keyed.create'})")
+        segment.admit(own)
+        rings = KeyedRings(segment, layout, meta)
     except BaseException:
         segment.close()
         raise
+    return _signals.watch_or_close(rings, handle_signals) if own else rings
 
 
-def attach(name: str, *, timeout: float = ATTACH_TIMEOUT) -> KeyedRings:
-    """Attach to existing keyed rings by name; the result never unlinks them.
+def attach(name: str, *, timeout: float = ATTACH_TIMEOUT, own: bool = False,
+           handle_signals: bool | None = None, made_by: str | None = None) -> KeyedRings:
+    """Attach to existing keyed rings by name; the result never unlinks them, unless ``own``.
 
     Waits up to ``timeout`` seconds for a creator that is still writing the
     header (its name exists before its header does).
 
+    Args:
+        own: take the rings over from an owner that died (SIGKILL, a crash):
+            this process becomes the owner, unlinks them at close and answers
+            for SIGTERM (``handle_signals`` as in ``shmbuf.create``).  The
+            entries and the workers attached before the crash carry on.  One
+            compare-and-swap on the header's owner record decides, so of two
+            rivals exactly one wins.
+        made_by: refuse (CorruptSegmentError, before adopting anything) rings
+            whose ``meta`` names another ``facade``.
+
     Raises:
         SegmentNotFoundError: no segment has that name.
         CorruptSegmentError: it is not keyed rings (or never got a header).
+        BufferClosedError: their owner closed them (they are being removed).
+        OwnerAliveError: ``own=True`` and the recorded owner is alive (the
+            message names its pid), or a rival took them over first.
 
     Example:
         >>> rings = attach("shmbuf-1a2b3c4d5e6f")
+        >>> rings = attach("shmbuf-1a2b3c4d5e6f", own=True)  # after the owner crashed
     """
-    return _attached(Segment.attach(name), timeout)
+    _signals.check(handle_signals)
+    return _attached(Segment.attach(name), timeout, own=own, handle_signals=handle_signals,
+                     made_by=made_by)
 
 
-def attach_if_published(name: str) -> KeyedRings | None:
+def attach_if_published(name: str, made_by: str | None = None) -> KeyedRings | None:
     """``attach`` without waiting: None while the creator has not published the header.
 
-    Raises SegmentNotFoundError (the name is gone) and CorruptSegmentError
-    as ``attach``.
+    Raises SegmentNotFoundError (the name is gone), CorruptSegmentError and
+    BufferClosedError as ``attach``.
     """
     segment = Segment.attach(name)
     if not segment.published():
         segment.close()
         return None
-    return _attached(segment, ATTACH_TIMEOUT)
+    return _attached(segment, ATTACH_TIMEOUT, made_by=made_by)
 
 
-def _attached(segment: Segment, timeout: float) -> KeyedRings:
+def _attached(segment: Segment, timeout: float, **options) -> KeyedRings:
     try:
         layout, owner = segment.header(KIND_KEYED, timeout)
     except BaseException:
         segment.close()
         raise
-    return open_segment(segment, layout, owner)
+    return open_segment(segment, layout, owner, **options)

@@ -10,14 +10,13 @@ import numpy as np
 
 from . import _checkpoint, _saving, _signals
 from ._args import check_int
-from ._errors import BufferClosedError, OwnerAliveError, SampleRetryError, WaitTimeoutError
+from ._errors import SampleRetryError, WaitTimeoutError
 from ._layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ._out import prepare_out as _prepare_out
 from ._pages import ChunkPages
 from ._process_rng import ProcessRandom
 from ._procs import my_start_time
-from ._ring import (Episodes, Ring, closed_message, closed_word, owner_alive, owner_record,
-                    take_ownership)
+from ._ring import Episodes, Ring, owner_alive, owner_record
 from ._handle import Shared
 from ._segment import Segment, column_views, generate_name, validate_name
 from ._wait import check_timeout, poll
@@ -694,12 +693,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
 
 def _watch(buf: Buffer, handle_signals) -> Buffer:
     """Let SIGTERM unlink ``buf`` (an owner); closes it if that cannot be arranged."""
-    try:
-        _signals.watch(buf, handle_signals)
-    except BaseException:
-        buf.close()
-        raise
-    return buf
+    return _signals.watch_or_close(buf, handle_signals)
 
 
 def _reattach(name: str, seed) -> Buffer:
@@ -749,16 +743,6 @@ def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: 
 
     Refuses a buffer its owner closed; with ``own``, adopts it first.
     """
-    word = closed_word(segment.mmap)
-    if word:
-        raise BufferClosedError(closed_message(segment.name, word))
-    if own:
-        live = take_ownership(segment.mmap, os.getpid(), my_start_time())
-        if live:
-            raise OwnerAliveError(
-                f"buffer {segment.name!r} is owned by pid {live}, which is alive; "
-                "attach(name, own=True) takes over only a buffer whose owner died. Attach "
-                f"without own=True to share it, or stop pid {live} first")
-        segment.owner = True  # this process unlinks it now
+    segment.admit(own)
     buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
     return _watch(buf, handle_signals) if own else buf
