@@ -33,9 +33,9 @@ __version__ = "0.1.0"
 def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | None = None):
     """Attach to any shmbuf buffer by name; the result never unlinks it, unless ``own``.
 
-    ``own=True`` takes over a buffer whose owner died (see ``store.attach``):
-    this process then unlinks it at close and answers for SIGTERM; the data
-    and the writers carry on.
+    ``own=True`` takes over a buffer whose owner died (see ``store.attach``;
+    a HistoryBuffer too): this process then unlinks it at close and answers
+    for SIGTERM; the data and the writers carry on.
 
     Returns the class that made the buffer: a ``Buffer`` for ``create``, or
     the seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...)
@@ -60,11 +60,9 @@ def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | No
         segment.close()
         raise
     if owner["kind"] == _KIND_KEYED:
-        if own:
-            segment.close()
-            raise ValueError(f"segment {name!r} holds a HistoryBuffer's keyed rings; "
-                             "own=True adopts step stores (Buffer and the replay facades) only")
-        return HistoryBuffer._from_rings(_keyed.open_segment(segment, layout, owner))
+        return HistoryBuffer._from_rings(_keyed.open_segment(
+            segment, layout, owner, own=own, handle_signals=handle_signals,
+            made_by=HistoryBuffer.KIND_NAME))
     try:
         buffer = _from_segment(segment, layout, owner, seed, own, handle_signals)
     except BaseException:

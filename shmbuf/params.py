@@ -20,7 +20,7 @@ import json
 
 import numpy as np
 
-from . import keyed
+from . import _signals, keyed
 from ._cast import _to_numpy, coerce
 from ._errors import CorruptSegmentError, WaitTimeoutError
 from ._handle import Shared
@@ -57,7 +57,8 @@ class ParamBlock(Shared):
 
     # -- construction -----------------------------------------------------------
     @classmethod
-    def create(cls, template: dict, *, spare: int = 2, name: str | None = None) -> "ParamBlock":
+    def create(cls, template: dict, *, spare: int = 2, name: str | None = None,
+               handle_signals: bool | None = None) -> "ParamBlock":
         """Create a block shaped like ``template``; the caller owns (and unlinks) it.
 
         Args:
@@ -66,6 +67,7 @@ class ParamBlock(Shared):
             spare: copies beyond the newest (>= 1); a read survives
                 ``spare - 1`` publishes during its copy.
             name: segment name; generated if None.
+            handle_signals: SIGTERM unlinks the block, as ``shmbuf.create``'s.
 
         Raises:
             ValueError / TypeError: an empty template or a value that is not
@@ -75,6 +77,7 @@ class ParamBlock(Shared):
             >>> block = ParamBlock.create({"w": np.zeros((4, 2), np.float32)})
         """
         table, nbytes = _plan(template)
+        _signals.check(handle_signals)
         raw = json.dumps(table).encode()
         spec = {"data": ((max(nbytes, 1),), np.uint8), "table": ((len(raw),), np.uint8),
                 "version": ((), np.int64)}
@@ -82,7 +85,7 @@ class ParamBlock(Shared):
                              meta={"facade": FACADE})
         self = cls(rings)
         self._table = table
-        return self
+        return _signals.watch_or_close(self, handle_signals)
 
     @classmethod
     def attach(cls, name: str) -> "ParamBlock":
@@ -194,6 +197,7 @@ class ParamBlock(Shared):
         return self._table
 
     def _release(self) -> None:
+        _signals.forget(self)
         self._rings.close()
 
     def __repr__(self):

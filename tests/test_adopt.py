@@ -3,6 +3,7 @@
 The owner record (pid + start time) is taken by one compare-and-swap, so of
 several restarted trainers exactly one wins; the adopter unlinks at close
 and answers for SIGTERM; writers attached before the crash keep writing.
+HistoryBuffers (keyed rings) are adopted the same way: test_history_lifecycle.py.
 """
 import json
 import os
@@ -16,6 +17,8 @@ from shmbuf import _segment, cli
 from shmbuf._layout import CLOSED_OWNER
 from shmbuf._wait import poll
 from helpers import crash_harness
+from helpers.adopters import rival_adopters
+from helpers.history_workers import dead_owner_history
 from helpers.stop_workers import Script, shm_exists
 from helpers.workers import SPEC, verify_batch
 
@@ -36,6 +39,10 @@ def dead_owner_buffer():
         return owner.line()
     finally:
         owner.close()  # SIGKILL: nothing is cleaned up
+
+
+# Buffers of each kind whose owner died: a step store, and a HistoryBuffer's keyed rings.
+DEAD_OWNERS, DEAD_OWNER_IDS = [dead_owner_buffer, dead_owner_history], ["store", "history"]
 
 
 def test_a_live_owner_is_never_replaced(make_buffer):
@@ -85,63 +92,26 @@ def test_the_adopter_owns_and_writers_keep_writing():
 
 
 @pytest.mark.slow
-def test_of_rival_adopters_exactly_one_wins():
-    name = dead_owner_buffer()
-    go_r, go_w = os.pipe()
-    out_r, out_w = os.pipe()
-    done_r, done_w = os.pipe()
-    pids = []
+@pytest.mark.parametrize("dead_owner", DEAD_OWNERS, ids=DEAD_OWNER_IDS)
+def test_of_rival_adopters_exactly_one_wins(dead_owner):
+    name = dead_owner()
     try:
-        for _ in range(4):
-            pid = os.fork()
-            if pid == 0:  # a restarted trainer
-                code = 1
-                try:
-                    os.read(go_r, 1)  # all start together
-                    try:
-                        buf = shmbuf.attach(name, own=True, handle_signals=False)
-                        result = {"won": os.getpid()}
-                    except shmbuf.OwnerAliveError as exc:
-                        buf, result = None, {"lost": str(exc)}
-                    os.write(out_w, (json.dumps(result) + "\n").encode())
-                    if buf is not None:
-                        os.read(done_r, 1)
-                        buf.close()
-                    code = 0
-                finally:
-                    os._exit(code)
-            pids.append(pid)
-        os.write(go_w, b"x" * 4)
-        results = []
-        with os.fdopen(out_r, "rb", closefd=False) as lines:
-            for _ in range(4):
-                results.append(json.loads(lines.readline()))
+        results = rival_adopters(lambda: shmbuf.attach(name, own=True, handle_signals=False))
         winners = [r["won"] for r in results if "won" in r]
         assert len(winners) == 1, results
         for r in results:
             if "lost" in r:
                 assert f"owned by pid {winners[0]}" in r["lost"]
-        os.write(done_w, b"x")
-        for pid in pids:
-            assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
-        pids = []
         assert not shm_exists(name)  # the winner unlinked it at close
     finally:
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except ProcessLookupError:
-                pass
-        for fd in (go_r, go_w, out_r, out_w, done_r, done_w):
-            os.close(fd)
         if shm_exists(name):
             _segment.unlink(name)
 
 
 @pytest.mark.slow
-def test_the_adopter_answers_for_sigterm():
-    name = dead_owner_buffer()
+@pytest.mark.parametrize("dead_owner", DEAD_OWNERS, ids=DEAD_OWNER_IDS)
+def test_the_adopter_answers_for_sigterm(dead_owner):
+    name = dead_owner()
     adopter = Script(f"""
         import shmbuf, time
         buf = shmbuf.attach({name!r}, own=True)
@@ -182,10 +152,12 @@ def test_gc_spares_an_adopted_buffer_and_a_closed_one_cannot_be_adopted(capsys):
             _segment.unlink(name)
 
 
-def test_keyed_rings_are_not_adopted():
+def test_a_live_owner_of_keyed_rings_is_never_replaced():
     with shmbuf.HistoryBuffer(n_envs=2, max_len=4, spec={"x": ((), "f4")}) as hb:
-        with pytest.raises(ValueError, match="own=True adopts step stores"):
+        with pytest.raises(shmbuf.OwnerAliveError,
+                           match=f"owned by pid {os.getpid()}, which is alive"):
             shmbuf.attach(hb.name, own=True)
+        assert hb.owner
 
 
 @pytest.mark.slow

@@ -31,6 +31,10 @@ finally:
     print("finally ran", flush=True)
 """
 SLEEP = "while True: time.sleep(1)"
+# The owners of each kind, less their closing parenthesis: a step store, and a
+# HistoryBuffer (keyed rings, whose constructor takes the same handle_signals).
+OWNED = {"store": "shmbuf.create(SPEC, 256",
+         "history": "shmbuf.HistoryBuffer(2, 4, spec={'x': ((), 'f4')}"}
 
 
 def owner_script(setup="", make="buf = shmbuf.create(SPEC, 256)", wait=SLEEP):
@@ -74,8 +78,9 @@ def test_sigterm_unwinds_unlinks_and_ends_by_sigterm():
         kill_all([worker] if worker else [])
 
 
-def test_sigterm_runs_finalizers_of_buffers_outside_with_blocks():
-    owner = owner_script()  # a module-level buffer: its finalizer unlinks at exit
+@pytest.mark.parametrize("kind", OWNED)
+def test_sigterm_runs_finalizers_of_buffers_outside_with_blocks(kind):
+    owner = owner_script(make=f"buf = {OWNED[kind]})")  # module-level: unlinked at exit
     try:
         info = owner.json()
         assert "_on_signal" in info["handler"]
@@ -146,8 +151,9 @@ def test_handle_signals_true_chains_to_the_existing_handler():
         owner.close()
 
 
-def test_handle_signals_false_installs_nothing():
-    owner = owner_script(make="buf = shmbuf.create(SPEC, 256, handle_signals=False)")
+@pytest.mark.parametrize("kind", OWNED)
+def test_handle_signals_false_installs_nothing(kind):
+    owner = owner_script(make=f"buf = {OWNED[kind]}, handle_signals=False)")
     name = None
     try:
         info = owner.json()

@@ -12,9 +12,10 @@ import functools
 
 import numpy as np
 
-from .. import keyed
+from .. import _signals, keyed
 from .._args import check_int
-from .._errors import CorruptSegmentError, SchemaPendingError
+from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
+                       SegmentNotFoundError)
 from .._handle import Shared
 from .._process_rng import ProcessRandom
 from .._segment import Reservation, generate_name
@@ -65,7 +66,14 @@ class HistoryBuffer(Shared):
     by one process (and thread) at a time (``append(info, env_ids=[...])``);
     any number of processes may ``get`` meanwhile, and ``reset`` may come
     from anywhere.  ``get_view`` is the zero-copy variant;
-    ``state_dict``/``load_state_dict`` checkpoint through ``torch.save``.
+    ``state_dict``/``load_state_dict`` checkpoint through ``torch.save``;
+    ``save``/``load`` write and read a directory of ``.npy`` files.
+
+    Stopping and crashing, as ``shmbuf.create``'s buffers: once the owner
+    closes it (or SIGTERM ends the owner, which unlinks it by default, see
+    ``handle_signals``), every other process's next ``append``, ``get`` or
+    ``reset`` raises ``BufferClosedError``; after a SIGKILL,
+    ``HistoryBuffer.attach(name, own=True)`` takes it over.
 
     Args:
         n_envs: number of parallel environments.
@@ -78,6 +86,11 @@ class HistoryBuffer(Shared):
             process its own, see ``shmbuf._process_rng``); nothing here is
             random, it exists for uniformity with the others.
         name: segment name; generated if None.
+        handle_signals: None (default): install shmbuf's SIGTERM handler if
+            this is the main thread and SIGTERM has its default action, so
+            that SIGTERM unlinks the buffer and then ends the process by
+            SIGTERM; True: also chain a handler already in place; False:
+            install nothing.  As ``shmbuf.create``; details: ``shmbuf._signals``.
 
     Raises:
         ValueError / TypeError: a bad argument (the message names it).
@@ -96,16 +109,19 @@ class HistoryBuffer(Shared):
     _schema: tuple[_infos.KeySchema, ...] | None = None
 
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
-                 spec=None, seed=None, name: str | None = None):
+                 spec=None, seed=None, name: str | None = None,
+                 handle_signals: bool | None = None):
         self._set_params(check_int("n_envs", n_envs), check_int("max_len", max_len),
                          check_int("action_block", action_block), _infos.block_keys(block_keys))
         schema = _infos.schema_from_spec(spec) if spec is not None else None
+        _signals.check(handle_signals)
         self._random = ProcessRandom(seed, name=name or "")
         # The name is taken now; the first append sizes the segment (see the class doc).
         self._reservation = Reservation(generate_name() if name is None else name)
         self._track(self._reservation.name, owner=True, resource=self._reservation)
         if schema is not None:
             self._create(schema)
+        _signals.watch_or_close(self, handle_signals)
 
     def _set_params(self, n_envs, max_len, action_block, block_keys) -> None:
         self.n_envs, self.max_len, self.action_block = n_envs, max_len, action_block
@@ -139,12 +155,9 @@ class HistoryBuffer(Shared):
         self._ring_views = rings.views
 
     def _adopt(self, rings, params_from_rings: bool = False) -> None:
-        """Bind attached ``rings`` once they prove to be this HistoryBuffer's; else close them."""
+        """Bind attached ``rings`` (a HistoryBuffer's) once their params fit; else close them."""
         try:
             meta = rings.meta
-            if meta.get("facade") != "HistoryBuffer":
-                raise CorruptSegmentError(f"segment {rings.name!r} holds keyed rings that were "
-                                          "not made by a HistoryBuffer")
             if params_from_rings:
                 self._set_params(**meta["params"])
             elif meta["params"] != self._params():
@@ -160,7 +173,13 @@ class HistoryBuffer(Shared):
         """The rings, attaching lazily in other processes; None while there is no schema."""
         self._check_open()
         if self._rings is None and not self.owner:
-            rings = keyed.attach_if_published(self._name)
+            try:
+                rings = keyed.attach_if_published(self._name, made_by=self.KIND_NAME)
+            except SegmentNotFoundError:
+                raise BufferClosedError(
+                    f"HistoryBuffer {self._name!r} was closed by its owner (its name is gone) "
+                    "before this handle attached to it; no more entries can be appended or "
+                    "read. A worker stops here; attach to a new buffer to continue") from None
             if rings is not None:
                 self._adopt(rings)
         return self._rings
@@ -304,21 +323,35 @@ class HistoryBuffer(Shared):
 
     # -- identity and lifecycle ---------------------------------------------------
     @classmethod
-    def attach(cls, name: str) -> "HistoryBuffer":
-        """Attach to a HistoryBuffer made by another process; never unlinks it.
+    def attach(cls, name: str, *, own: bool = False,
+               handle_signals: bool | None = None) -> "HistoryBuffer":
+        """Attach to a HistoryBuffer made by another process; never unlinks it, unless ``own``.
 
         Waits (a few seconds at most) for a constructor that has not sized
         the segment yet.
 
+        Args:
+            name: the segment's name (``buf.name``).
+            own: take the buffer over from an owner that died (SIGKILL, a
+                crash): this process becomes the owner, unlinks it at close
+                and answers for SIGTERM (``handle_signals`` as in the
+                constructor).  The entries and the workers attached before
+                the crash carry on; of rival adopters exactly one wins.
+
         Raises:
             SegmentNotFoundError: no such segment.
             CorruptSegmentError: the segment is not a HistoryBuffer (or got no
-                schema in time).
+                schema in time); it is left alone, even with ``own``.
+            BufferClosedError: its owner closed it (it is being removed).
+            OwnerAliveError: ``own=True`` and the owner is alive (the message
+                names its pid), or a rival took it over first.
 
         Example:
             >>> planner_view = HistoryBuffer.attach("shmbuf-1a2b3c4d5e6f")
+            >>> buf = HistoryBuffer.attach("shmbuf-1a2b3c4d5e6f", own=True)  # after a crash
         """
-        return cls._from_rings(keyed.attach(name))
+        return cls._from_rings(keyed.attach(name, own=own, handle_signals=handle_signals,
+                                            made_by=cls.KIND_NAME))
 
     @property
     def rng(self) -> np.random.Generator:
@@ -326,23 +359,25 @@ class HistoryBuffer(Shared):
         return self._random.get()
 
     @classmethod
-    def _handle(cls, name: str, params: dict | None = None) -> "HistoryBuffer":
-        """An attached handle on segment ``name``, not bound to its rings yet."""
+    def _handle(cls, name: str, params: dict | None = None,
+                owner: bool = False) -> "HistoryBuffer":
+        """A handle on segment ``name``, not bound to its rings yet; ``owner``: adopted."""
         self = cls.__new__(cls)
         self._random = ProcessRandom()
-        self._track(name, owner=False)
+        self._track(name, owner=owner)  # an adopter's rings unlink the segment, not the handle
         if params is not None:
             self._set_params(**params)
         return self
 
     @classmethod
     def _from_rings(cls, rings, params: dict | None = None) -> "HistoryBuffer":
-        """A handle on attached ``rings``, with their parameters or (checked) ``params``."""
-        self = cls._handle(rings.name, params)
+        """A handle on attached (or adopted) ``rings``, with their or (checked) ``params``."""
+        self = cls._handle(rings.name, params, rings.owner)
         self._adopt(rings, params_from_rings=params is None)
         return self
 
     def _release(self) -> None:
+        _signals.forget(self)
         if self._rings is not None:
             self._rings.close()
         self._ring_views = None
@@ -406,7 +441,8 @@ class HistoryBuffer(Shared):
 
 def _rebuild(name: str, params: dict) -> HistoryBuffer:
     """Unpickle: attach now if the segment is sized, else a handle that attaches lazily."""
-    rings = keyed.attach_if_published(name)   # SegmentNotFoundError once the owner closed
+    # SegmentNotFoundError once the owner closed
+    rings = keyed.attach_if_published(name, made_by=HistoryBuffer.KIND_NAME)
     if rings is None:
         return HistoryBuffer._handle(name, params)
     return HistoryBuffer._from_rings(rings, params)

@@ -1,0 +1,86 @@
+"""Adopters that race: processes that call ``attach(name, own=True)`` at the same moment.
+
+Forked (not spawned), so that they start within microseconds of each other
+and the owner record's compare-and-swap really is contested.
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import time
+
+import shmbuf
+from shmbuf._wait import poll
+
+TIMEOUT = 60
+
+
+def rival_adopters(adopt, n: int = 4) -> list[dict]:
+    """Fork ``n`` processes that call ``adopt()`` at the same moment; their results.
+
+    Each result is ``{"won": pid}`` or ``{"lost": message}`` (OwnerAliveError).
+    The winner closes what it adopted (and so unlinks it) once every child
+    has reported; every child is reaped, or killed, before this returns.
+    """
+    go_r, go_w = os.pipe()
+    out_r, out_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pids: list[int] = []
+    try:
+        for _ in range(n):
+            pid = os.fork()
+            if pid == 0:  # a restarted trainer
+                code = 1
+                try:
+                    os.read(go_r, 1)  # all start together
+                    try:
+                        adopted, result = adopt(), {"won": os.getpid()}
+                    except shmbuf.OwnerAliveError as exc:
+                        adopted, result = None, {"lost": str(exc)}
+                    os.write(out_w, (json.dumps(result) + "\n").encode())
+                    if adopted is not None:
+                        os.read(done_r, 1)
+                        adopted.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        os.write(go_w, b"x" * n)
+        results = [json.loads(line) for line in _lines(out_r, n)]
+        os.write(done_w, b"x")
+        while pids:
+            assert _exit_code(pids[0]) == 0, results
+            pids.pop(0)
+        return results
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except ProcessLookupError:
+                pass
+        for fd in (go_r, go_w, out_r, out_w, done_r, done_w):
+            os.close(fd)
+
+
+def _lines(fd: int, n: int, timeout: float = TIMEOUT) -> list[bytes]:
+    """The first ``n`` lines written to pipe ``fd``; AssertionError if they take too long."""
+    data, deadline = b"", time.monotonic() + timeout
+    while data.count(b"\n") < n:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"not all {n} children reported within {timeout} s; "
+                                 f"got {data!r}")
+        data += os.read(fd, 65536)
+    return data.split(b"\n")[:n]
+
+
+def _exit_code(pid: int, timeout: float = TIMEOUT) -> int:
+    """Reap child ``pid``; its exit code (negative: the signal); AssertionError on a hang."""
+    def reaped():
+        done, status = os.waitpid(pid, os.WNOHANG)
+        return os.waitstatus_to_exitcode(status) if done else None
+
+    return poll(reaped, timeout, lambda: AssertionError(f"child {pid} still runs {timeout} s on"))
