@@ -79,13 +79,15 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
     The steps come back in their order, in their streams and episodes
     (terminal steps and ``end_episode`` cuts), through writers, so sampling
     treats them exactly like fresh ones.  A save made by a seed facade comes
-    back as that facade.
+    back as that facade; one made by ``HistoryBuffer.save`` as a
+    HistoryBuffer (``HistoryBuffer.load``).
 
     Args:
         path: the save's directory.
         name: the new segment's name; generated if None.
         capacity: steps the new buffer holds; default the saved buffer's.  A
-            smaller one keeps the newest steps.
+            smaller one keeps the newest steps.  A facade's or HistoryBuffer's
+            save keeps its own (pass None).
         seed, handle_signals: as in ``create``.
 
     Raises:
@@ -98,8 +100,14 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
         >>> buf.save("ckpt/replay")
         >>> buf2 = shmbuf.load("ckpt/replay", capacity=2 * buf.capacity)
     """
+    from ._keyed_saving import holds_keyed
     from ._saving import load as _load
 
+    if holds_keyed(path):
+        if capacity is not None:
+            raise ValueError(f"capacity: a HistoryBuffer save keeps its own n_envs and max_len; "
+                             f"load it with capacity=None, not {capacity!r}")
+        return HistoryBuffer.load(path, name, seed=seed, handle_signals=handle_signals)
     return _load(path, name, capacity, seed=seed, handle_signals=handle_signals)
 
 

@@ -31,6 +31,10 @@ sample is: a chunk recycled while it was written is cut off the files again
 steps get a new stream id, so that loading never splices across the gap.
 ``manifest.json`` is written last, through a rename: a save without one is
 incomplete, and ``load`` trusts no more rows than the manifest names.
+
+Keyed rings (a HistoryBuffer) save to the same kind of directory, with
+``"kind": "keyed"`` in the manifest and their own files: ``_keyed_saving``.
+A manifest without ``kind`` is a step store's.
 """
 from __future__ import annotations
 
@@ -382,8 +386,11 @@ def _bad(path, why: str) -> CorruptSaveError:
     return CorruptSaveError(f"{os.fspath(path)!r} is not a usable shmbuf save: {why}")
 
 
-def read_manifest(path) -> dict:
-    """The checked manifest of the save at ``path``; CorruptSaveError if anything is off."""
+def read_json(path) -> dict:
+    """The manifest of the save at ``path``, of this format and version; not checked further.
+
+    Raises FileNotFoundError (no directory) or CorruptSaveError.
+    """
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise FileNotFoundError(2, f"no shmbuf save at {path!r} (not a directory)")
@@ -399,6 +406,25 @@ def read_manifest(path) -> dict:
     if manifest.get("version") != VERSION:
         raise _bad(path, f"it has save format version {manifest.get('version')!r} but this "
                          f"shmbuf reads version {VERSION}")
+    return manifest
+
+
+def saved_by(manifest: dict) -> str:
+    """Who made the save of ``manifest``: a facade's name, or the plain kind."""
+    meta = manifest.get("meta")
+    made_by = meta.get("facade") if isinstance(meta, dict) else None
+    if made_by:
+        return str(made_by)
+    return "plain keyed rings" if manifest.get("kind") else "a plain shmbuf Buffer"
+
+
+def read_manifest(path) -> dict:
+    """The checked manifest of a step store's save at ``path``; CorruptSaveError if off."""
+    manifest = read_json(path)
+    if manifest.get("kind") is not None:
+        raise _bad(path, f"it was saved by {saved_by(manifest)} (kind "
+                         f"{manifest['kind']!r}), not by a step store; load it with that "
+                         "class's load, or shmbuf.load")
     for key, kind in (("rows", int), ("chunks", int), ("capacity", int), ("chunk_size", int),
                       ("meta", dict), ("spec", dict)):
         value = manifest.get(key)

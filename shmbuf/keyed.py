@@ -241,17 +241,19 @@ class KeyedRings(Shared):
         return out, oldest
 
     # -- checkpoints ------------------------------------------------------------
-    def snapshot(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """Copies of every key's live entries: ``(lengths, {column: entries})``.
+    def snapshot(self, keys=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Copies of the live entries of ``keys`` (all if None): ``(lengths, {column: entries})``.
 
-        ``entries`` concatenates the keys' entries, key 0 first, each key
-        oldest first; ``lengths[k]`` says how many belong to key ``k``.
+        ``entries`` concatenates the keys' entries in the order of ``keys``
+        (key 0 first by default), each key oldest first; ``lengths[i]`` says
+        how many belong to ``keys[i]``.  Each key's entries are validated
+        against concurrent appends, as ``read``'s.
 
         Example:
             >>> lengths, entries = rings.snapshot()
         """
         arrays, lengths = self.read(
-            None, lambda lens: lens[:, None] - 1 - np.arange(self.max_len))
+            keys, lambda lens: lens[:, None] - 1 - np.arange(self.max_len))
         live = np.arange(self.max_len) < lengths[:, None]
         return lengths, {name: arr[live] for name, arr in arrays.items()}
 

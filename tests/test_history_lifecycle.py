@@ -7,6 +7,7 @@ Owners, workers and adopters are real processes; every wait has a timeout.
 Rival adopters, SIGTERM and ``handle_signals=False`` with a HistoryBuffer
 owner are parametrized cases of test_adopt.py and test_signals.py.
 """
+import json
 import multiprocessing as mp
 import os
 import pickle
@@ -14,18 +15,19 @@ import signal
 
 import numpy as np
 import pytest
+import torch
 
 import shmbuf
-from shmbuf import _ring, _signals, cli, keyed
+from shmbuf import _keyed_saving, _ring, _signals, cli, keyed
 from shmbuf._layout import CLOSED_OWNER
 from shmbuf._segment import _mark_closed
 from shmbuf._segment import unlink as unlink_segment
 from shmbuf.compat.history import HistoryBuffer
 from shmbuf.params import ParamBlock
 from shmbuf._wait import poll
-from helpers.history_workers import (SPEC, attach_until_closed, check_entries,
+from helpers.history_workers import (SPEC, attach_until_closed, check_entries, check_saved,
                                      dead_owner_history, until_closed)
-from helpers.keyed_workers import history_info
+from helpers.keyed_workers import history_info, history_worker
 from helpers.stop_workers import TIMEOUT, shm_exists
 
 OTHER_PID = 1  # a closer that is not this process (init never closes anything of ours)
@@ -245,3 +247,240 @@ def test_handle_signals_is_checked_before_anything_is_created():
         with pytest.raises(TypeError, match="handle_signals must be None, True or False"):
             make()
     assert set(os.listdir("/dev/shm")) <= before
+
+
+# -- save and load -------------------------------------------------------------------------------
+def fill(buf, env_steps: dict) -> None:
+    """Append steps 1..n to each env (``{env: n}``), one env at a time, with every key."""
+    for env, n in env_steps.items():
+        for t in range(1, n + 1):
+            info = history_info([env], t)
+            info["task"] = f"e{env}t{t}"
+            info["value"] = torch.full((1,), t / 2)
+            buf.append(info, env_ids=[env])
+
+
+def history_with_every_kind_of_env() -> HistoryBuffer:
+    """Env 0 partly filled, env 1 wrapped round its ring, env 2 reset, env 3 empty."""
+    buf = HistoryBuffer(4, 5, action_block=2, block_keys=("action",),
+                         spec={**SPEC, "task": ((), "U8"), "value": ((), torch.float32)})
+    fill(buf, {0: 3, 1: 12, 2: 4})
+    buf.reset([2])
+    fill(buf, {2: 2})
+    return buf
+
+
+def contents(buf: HistoryBuffer):
+    lengths, entries = buf._rings.snapshot()
+    return lengths.tolist(), {k: v.tolist() for k, v in entries.items()}
+
+
+def our_segments():
+    """This test session's generated segments (others' sessions come and go)."""
+    mine = "shmbuf-" + os.environ["SHMBUF_NAME_TAG"]
+    return {n for n in os.listdir("/dev/shm") if n.startswith(mine)}
+
+
+def test_save_and_load_round_trip(tmp_path):
+    path = tmp_path / "history"
+    with history_with_every_kind_of_env() as buf:
+        assert buf.save(path) == 3 + 5 + 2
+        assert sorted(os.listdir(path)) == ["_lengths.npy", "k0.npy", "k1.npy", "k2.npy",
+                                            "k3.npy", "k4.npy", "manifest.json"]
+        for load in (HistoryBuffer.load, shmbuf.load):
+            with load(path) as loaded:
+                assert isinstance(loaded, HistoryBuffer) and loaded.owner
+                assert loaded.name != buf.name and contents(loaded) == contents(buf)
+                assert (loaded.n_envs, loaded.max_len, loaded.action_block,
+                        loaded.block_keys) == (4, 5, 2, {"action"})
+                mine, theirs = buf.get(3, [1, 0, 2]), loaded.get(3, [1, 0, 2])
+                assert isinstance(theirs["value"], torch.Tensor)
+                assert {k: v.tolist() for k, v in mine.items()} == \
+                    {k: v.tolist() for k, v in theirs.items()}
+                assert loaded.num_strided() == [2, 3, 1, 0]
+                loaded.append({**history_info([3], 1), "task": "new", "value": torch.ones(1)},
+                              env_ids=[3])
+                assert loaded.num_strided() == [2, 3, 1, 1]
+
+
+def test_a_save_is_plain_npy_files(tmp_path):
+    path = tmp_path / "history"
+    with history_with_every_kind_of_env() as buf:
+        buf.save(path)
+        lengths, entries = buf._rings.snapshot()
+    assert np.load(path / "_lengths.npy").tolist() == [3, 5, 2, 0]
+    for column, expected in entries.items():
+        mapped = np.load(path / f"{column}.npy", mmap_mode="r")
+        assert isinstance(mapped, np.memmap) and (mapped == expected).all()
+    steps = np.load(path / "k1.npy")  # "step", the second key
+    assert steps.tolist() == [1, 2, 3, 8, 9, 10, 11, 12, 1, 2]  # env 1 kept its newest 5
+    assert np.load(path / "k3.npy")[:3].tolist() == ["e0t1", "e0t2", "e0t3"]
+
+
+def test_save_copies_a_bounded_group_of_envs_at_a_time(tmp_path, monkeypatch):
+    calls, snapshot = [], keyed.KeyedRings.snapshot
+
+    def spy(rings, keys=None):
+        calls.append(keys.tolist())
+        return snapshot(rings, keys)
+
+    monkeypatch.setattr(keyed.KeyedRings, "snapshot", spy)
+    with HistoryBuffer(5, 4, spec={"x": ((10,), np.float64)}) as buf:  # 80 bytes an entry
+        monkeypatch.setattr(_keyed_saving, "GROUP_BYTES", 2 * 4 * 80)  # two envs' entries
+        for t in range(6):
+            buf.append({"x": np.full((5, 10), t, np.float64)})
+        assert buf.save(tmp_path / "history") == 20
+        assert calls == [[0, 1], [2, 3], [4]]
+        monkeypatch.undo()
+        with HistoryBuffer.load(tmp_path / "history") as loaded:
+            assert contents(loaded) == contents(buf)
+
+
+@pytest.mark.slow
+def test_saves_while_a_worker_appends_hold_whole_consecutive_entries(tmp_path):
+    ctx = mp.get_context("spawn")
+    buf = HistoryBuffer(4, 64, spec=SPEC)
+    buf.append(history_info(np.arange(4), 0))
+    go_r, go_w = ctx.Pipe(duplex=False)
+    stop_r, stop_w = ctx.Pipe(duplex=False)
+    ready_r, ready_w = ctx.Pipe(duplex=False)
+    worker = ctx.Process(target=history_worker, args=(buf, [0, 1, 2, 3], go_r, stop_r,
+                                                      ready_w, 10_000_000))
+    try:
+        worker.start()
+        go_w.send(True)
+        assert receive(ready_r) == 10
+        newest = []
+        for i in range(6):
+            path = tmp_path / f"save{i}"
+            buf.save(path)
+            lengths = np.load(path / "_lengths.npy")
+            entries = {s.key: np.load(path / f"{s.column}.npy", mmap_mode="r")
+                       for s in buf._schema}
+            check_saved(lengths, entries, range(4))
+            newest.append(int(entries["step"][lengths[0] - 1]))
+            with HistoryBuffer.load(path) as loaded:
+                check_entries(loaded.get(64), range(4))
+        assert newest == sorted(newest) and newest[-1] > newest[0]  # saved while it appended
+        stop_w.send(True)
+        worker.join(TIMEOUT)
+        assert worker.exitcode == 0
+    finally:
+        stop_w.send(True)
+        stop([worker])
+        buf.close()
+
+
+def test_an_existing_path_needs_overwrite(tmp_path):
+    path = tmp_path / "history"
+    with HistoryBuffer(2, 3, spec=SPEC) as buf:
+        buf.append(history_info([0, 1], 1))
+        buf.save(path)
+        buf.append(history_info([0, 1], 2))
+        with pytest.raises(shmbuf.SaveExistsError, match="overwrite=True"):
+            buf.save(path)
+        assert buf.save(path, overwrite=True) == 4
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.txt").write_text("keep me")
+        with pytest.raises(shmbuf.SaveExistsError, match="only a"):
+            buf.save(tmp_path / "mine", overwrite=True)
+    with HistoryBuffer.load(path) as loaded:
+        assert loaded.get(2)["step"].tolist() == [[1, 2], [1, 2]]
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+def test_nothing_to_save_and_no_capacity_to_change(tmp_path):
+    with HistoryBuffer(2, 3) as buf:
+        with pytest.raises(ValueError, match="no schema yet"):
+            buf.save(tmp_path / "empty")
+        buf.append({"x": np.zeros(2)})
+        buf.reset()
+        assert buf.save(tmp_path / "reset") == 0
+    with pytest.raises(ValueError, match="capacity=None"):
+        shmbuf.load(tmp_path / "reset", capacity=10)
+    with shmbuf.load(tmp_path / "reset") as loaded:
+        assert loaded.num_strided() == [0, 0] and loaded.get(1) is None
+
+
+def _tamper(path, how):
+    manifest = json.loads((path / "manifest.json").read_text())
+    if how == "truncated column":
+        with open(path / "k0.npy", "r+b") as f:
+            f.truncate(os.path.getsize(path / "k0.npy") - 10)
+    elif how == "missing lengths":
+        os.unlink(path / "_lengths.npy")
+    elif how == "lengths off":
+        np.save(path / "_lengths.npy", np.array([1, 1], np.int64))
+    elif how == "too long":
+        np.save(path / "_lengths.npy", np.array([9, -5], np.int64))
+    elif how == "manifest not json":
+        (path / "manifest.json").write_text("{")
+    else:
+        if how == "rows":
+            manifest["rows"] = 99
+        elif how == "n_keys":
+            manifest["n_keys"] = "4"
+        elif how == "dtype":
+            manifest["spec"]["k1"]["dtype"] = "<f8"
+        elif how == "params":
+            manifest["meta"]["params"]["action_block"] = 0
+        elif how == "n_envs":
+            manifest["meta"]["params"]["n_envs"] = 3
+        elif how == "keys":
+            manifest["meta"]["keys"] = manifest["meta"]["keys"][:1]
+        elif how == "meta":
+            manifest["meta"] = ["HistoryBuffer"]
+        (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("how, says", [
+    ("truncated column", "k0.npy is truncated"),
+    ("missing lengths", "_lengths.npy is missing"),
+    ("lengths off", "adding up to the manifest's 4 rows"),
+    ("too long", "0 to 3 entries"),
+    ("manifest not json", "not readable JSON"),
+    ("rows", "adding up to the manifest's 99 rows"),
+    ("n_keys", "'n_keys' is '4'"),
+    ("dtype", "schema does not match"),
+    ("params", "action_block must be"),
+    ("n_envs", "do not fit 2 keys"),
+    ("keys", "do not name the columns"),
+    ("meta", "not by a HistoryBuffer"),
+])
+def test_a_damaged_save_is_a_clear_error_and_creates_nothing(tmp_path, how, says):
+    path = tmp_path / "history"
+    with HistoryBuffer(2, 3, spec=SPEC) as buf:
+        for t in (1, 2):
+            buf.append(history_info([0, 1], t))
+        buf.save(path)
+    _tamper(path, how)
+    before = our_segments()
+    for load in (HistoryBuffer.load, shmbuf.load):
+        with pytest.raises(shmbuf.CorruptSaveError, match=says) as info:
+            load(path)
+        assert str(path) in str(info.value)
+    assert our_segments() <= before
+
+
+def test_each_class_refuses_the_others_save_naming_who_made_it(tmp_path, make_buffer):
+    with HistoryBuffer(2, 3, spec=SPEC) as buf:
+        buf.append(history_info([0, 1], 1))
+        buf.save(tmp_path / "history")
+    make_buffer({"x": ((), np.float32)}, 16).save(tmp_path / "store")
+    rb = shmbuf.ReplayBuffer(16, (3, 8, 8), 6, seq_len=2, batch_size=2)
+    try:
+        rb.add({"image": np.zeros((3, 8, 8), np.uint8)}, np.zeros(6), 0.0, False)
+        rb.save(tmp_path / "replay")
+    finally:
+        rb.close()
+    before = our_segments()
+    for path, made_by in (("store", "a plain shmbuf Buffer"),
+                          ("replay", "torchwm.dreamer.ReplayBuffer")):
+        with pytest.raises(shmbuf.CorruptSaveError,
+                           match=f"saved by {made_by}, not by a HistoryBuffer"):
+            HistoryBuffer.load(tmp_path / path)
+    with pytest.raises(shmbuf.CorruptSaveError, match="saved by HistoryBuffer .kind 'keyed'"):
+        shmbuf.ReplayBuffer.load(tmp_path / "history")
+    with pytest.raises(FileNotFoundError):
+        HistoryBuffer.load(tmp_path / "nothing")
+    assert our_segments() <= before

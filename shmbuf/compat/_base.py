@@ -124,10 +124,10 @@ class Facade(Shared):
         Raises:
             CorruptSaveError: the save was made by another class (or is damaged).
         """
-        made_by = _saving.read_manifest(path)["meta"].get("facade")
-        if made_by != cls.FACADE:
+        manifest = _saving.read_manifest(path)
+        if manifest["meta"].get("facade") != cls.FACADE:
             raise CorruptSaveError(
-                f"{str(path)!r} was saved by {made_by or 'a plain shmbuf Buffer'}, not by "
+                f"{str(path)!r} was saved by {_saving.saved_by(manifest)}, not by "
                 f"{cls.__name__}; load it with the matching class or shmbuf.load")
         return _saving.load(path, name, capacity, seed=seed, handle_signals=handle_signals)
 

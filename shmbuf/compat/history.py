@@ -12,12 +12,13 @@ import functools
 
 import numpy as np
 
-from .. import _signals, keyed
+from .. import _keyed_saving, _signals, keyed
 from .._args import check_int
 from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
                        SegmentNotFoundError)
 from .._handle import Shared
 from .._process_rng import ProcessRandom
+from .._saving import _bad as _bad_save
 from .._segment import Reservation, generate_name
 from .._strided import contiguous_window
 from . import _history_out, _infos
@@ -437,6 +438,99 @@ class HistoryBuffer(Shared):
         else:
             self._create(theirs)
         self._rings.restore(lengths, {s.column: entries[s.key] for s in self._schema})  # type: ignore[union-attr]  # both set above
+
+
+    # -- saving to disk ---------------------------------------------------------------
+    def save(self, path, *, overwrite: bool = False, durable: bool = False) -> int:
+        """Write every env's live entries to the directory ``path``, while workers append.
+
+        The format (one ``.npy`` per key, ``_lengths.npy``, a JSON manifest;
+        readable and mmap-able with numpy alone) is described in
+        ``shmbuf._keyed_saving``.  Envs are copied a group at a time, each
+        validated against concurrent appends, so no torn entry is saved and
+        at most ``_keyed_saving.GROUP_BYTES`` of entries (or one env's
+        ``max_len``) are held in memory.  ``HistoryBuffer.load`` (or
+        ``shmbuf.load``) rebuilds the buffer from it.
+
+        Args:
+            path: a directory to create.
+            overwrite: if ``path`` exists, replace it, but only if it is a
+                shmbuf save (or empty); otherwise ``SaveExistsError``.
+            durable: fsync the files before the manifest names them.
+
+        Returns:
+            The entries saved, over every env.
+
+        Raises:
+            SaveExistsError: ``path`` exists (see ``overwrite``).
+            ValueError: nothing was ever appended (there is no schema to save).
+            BufferClosedError: closed, here or by the owner in another process.
+
+        Example:
+            >>> buf.save("ckpt/history")
+            >>> buf2 = HistoryBuffer.load("ckpt/history")
+        """
+        rings = self._ensure()
+        if rings is None:
+            raise ValueError(f"{self._describe()} has no schema yet (nothing was appended); "
+                             "there is nothing to save")
+        return _keyed_saving.save(rings, path, overwrite=overwrite, durable=durable)
+
+    @classmethod
+    def load(cls, path, name: str | None = None, *, seed=None,
+             handle_signals: bool | None = None) -> "HistoryBuffer":
+        """A new HistoryBuffer (this process owns it) holding a save's entries.
+
+        ``n_envs``, ``max_len``, ``action_block``, ``block_keys`` and the keys
+        (torch ones too) are the saved buffer's; each env gets its saved
+        entries back in their order.
+
+        Args:
+            path: the save's directory (``save``).
+            name: the new segment's name; generated if None.
+            seed, handle_signals: as in the constructor.
+
+        Raises:
+            FileNotFoundError: no directory at ``path``.
+            CorruptSaveError: the save is incomplete, truncated or tampered
+                with, or was made by another class (the message names it);
+                nothing is created.
+            SegmentExistsError: ``name`` is taken.
+
+        Example:
+            >>> buf = HistoryBuffer.load("ckpt/history")
+        """
+        manifest, lengths, entries = _keyed_saving.open_save(path, cls.KIND_NAME)
+        params, schema = _saved_setup(path, manifest)
+        self = cls(**params, seed=seed, name=name, handle_signals=handle_signals)
+        try:
+            self._create(schema)
+            self._rings.restore(lengths, entries)  # type: ignore[union-attr]  # just created
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+
+def _saved_setup(path, manifest: dict) -> tuple[dict, tuple[_infos.KeySchema, ...]]:
+    """The constructor's parameters and the schema recorded in a save's manifest."""
+    meta = manifest["meta"]
+    try:
+        params = meta["params"]
+        setup = {"n_envs": check_int("n_envs", params["n_envs"]),
+                 "max_len": check_int("max_len", params["max_len"]),
+                 "action_block": check_int("action_block", params["action_block"]),
+                 "block_keys": _infos.block_keys(params["block_keys"])}
+        schema = _infos.schema_from_meta(meta["keys"], manifest["spec"])
+        if len(schema) != len(manifest["spec"]) or any(type(s.key) is not str for s in schema):
+            raise ValueError(f"keys {meta['keys']!r} do not name the columns "
+                             f"{sorted(manifest['spec'])}")
+        if (setup["n_envs"], setup["max_len"]) != (manifest["n_keys"], manifest["max_len"]):
+            raise ValueError(f"params {params} do not fit {manifest['n_keys']} keys of "
+                             f"{manifest['max_len']} entries")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise _bad_save(path, f"its HistoryBuffer setup does not add up ({exc!r})") from None
+    return setup, schema
 
 
 def _rebuild(name: str, params: dict) -> HistoryBuffer:
