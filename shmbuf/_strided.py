@@ -39,15 +39,15 @@ def block_ages(n: int, ab: int, lengths: np.ndarray) -> np.ndarray:
 class AgeTables:
     """``frame_ages`` then ``block_ages``, side by side, for every ``k`` in 0..n, per ``n``.
 
-    A lookup is one fancy index by ``k`` (or none, when ``k`` is as last
-    time).  Columns ``[:n]`` are the frames, ``[n:]`` the raw entries of the
+    A lookup is one fancy index by ``k`` (or none, when the lengths are as
+    last time).  Columns ``[:n]`` are the frames, ``[n:]`` the raw entries of the
     blocks.  Returned arrays are shared between calls: never modify them.
     """
 
     def __init__(self, ab: int, limit: int = 16):
         self.ab, self.limit = ab, limit
         self._tables: dict[int, np.ndarray] = {}
-        self._last_key: tuple[int, bytes] | None = None
+        self._last_key: tuple[int, bytes] | None = None   # (n, lengths) of the last lookup
         self._last: np.ndarray = None  # type: ignore[assignment]  # set by the first lookup
 
     def lookup(self, n: int, lengths: np.ndarray) -> np.ndarray:
@@ -59,11 +59,11 @@ class AgeTables:
             shortest = (np.arange(n + 1) - 1) * self.ab + 1   # the fewest entries with k frames
             table = self._tables[n] = np.concatenate(
                 [frame_ages(n, self.ab, shortest), block_ages(n, self.ab, shortest)], axis=1)
-        k = (lengths - 1) // self.ab
-        k += 1
-        np.minimum(k, n, out=k)
-        key = (n, k.tobytes())
-        if key != self._last_key:   # warmed-up envs: the same ages call after call
+        key = (n, lengths.tobytes())
+        if key != self._last_key:   # warmed-up envs: the same lengths call after call
+            k = (lengths - 1) // self.ab
+            k += 1
+            np.minimum(k, n, out=k)
             self._last_key, self._last = key, table[k]
         return self._last
 

@@ -221,15 +221,18 @@ class KeyedRings(Shared):
     def _gather(self, keys, count, lengths, ages, columns: dict):
         """Take the rows of ``ages``; return them and each key's oldest position read."""
         age = np.ascontiguousarray(ages, np.int64)
-        invalid = age.view(np.uint64) >= lengths.astype(np.uint64)[:, None]  # -1 wraps to huge
         pos = (count - 1)[:, None] - age
-        if not np.count_nonzero(invalid):
-            invalid = None
-        if age.shape[1]:
+        invalid = None
+        if not age.size:
+            oldest = np.full(len(keys), _NOT_STALE, np.int64)
+        elif age.min() >= 0 and (hi := int(age.max())) < lengths.min():
+            oldest = count - (hi + 1)   # every age valid (the common case): a bound is enough
+        else:
+            invalid = age.view(np.uint64) >= lengths.astype(np.uint64)[:, None]  # -1 wraps
+            if not np.count_nonzero(invalid):
+                invalid = None
             read = pos if invalid is None else np.where(invalid, _NOT_STALE, pos)
             oldest = np.minimum.reduce(read, axis=1)
-        else:
-            oldest = np.full(len(keys), _NOT_STALE, np.int64)
         rows = pos % self.ring_len  # in range even where invalid (zeroed below)
         rows += (self._base if keys is self._words.all else self._base[keys])[:, None]
         out = {}
