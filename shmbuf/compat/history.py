@@ -439,7 +439,6 @@ class HistoryBuffer(Shared):
             self._create(theirs)
         self._rings.restore(lengths, {s.column: entries[s.key] for s in self._schema})  # type: ignore[union-attr]  # both set above
 
-
     # -- saving to disk ---------------------------------------------------------------
     def save(self, path, *, overwrite: bool = False, durable: bool = False) -> int:
         """Write every env's live entries to the directory ``path``, while workers append.
