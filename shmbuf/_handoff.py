@@ -13,15 +13,17 @@ waits and no batch is overwritten while the trainer holds it.
 
 How the memory travels: a ``Handoff`` pickles to a few ints, the worker's
 pid and start time, the memfd's descriptor number and inode, and the slot.
-The trainer opens the memfd once through ``/proc/PID/fd/N`` (the kernel's
-ptrace-read check: the same user, and under Yama a parent may open its
-children's, as a trainer does its DataLoader workers'), checks the inode,
-maps it and keeps the mapping for the worker's lifetime.  Pickling torch
-shared storages instead sends their descriptors through multiprocessing's
-resource sharer, an authenticated socket connection per storage per batch:
-about 1.5 ms of the trainer's time each, which held the DataLoader near
-60% of direct sampling on W1 (``benchmarks/bench_trainer.py``).  A memfd has
-no name, so nothing is left in /dev/shm whatever happens to the worker.
+The first handoff of a pool also carries the descriptor itself, through
+multiprocessing's resource sharer (one authenticated socket connection);
+the trainer maps the memfd and keeps the mapping, keyed by (pid, inode),
+for the worker's lifetime.  A process that missed that first handoff opens
+the memfd through ``/proc/PID/fd/N`` instead (the kernel's ptrace-read
+check: the same user, and under Yama a parent may open its children's) and
+checks the inode.  Pickling torch shared storages instead would send every
+batch's descriptors through the resource sharer: about 1.5 ms of the
+trainer's time per storage, which held the DataLoader near 60% of direct
+sampling on W1 (``benchmarks/bench_trainer.py``).  A memfd has no name, so
+nothing is left in /dev/shm whatever happens to the worker.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import ctypes
 import mmap
 import os
 import weakref
+from multiprocessing import reduction
 
 import numpy as np
 import torch
@@ -70,6 +73,7 @@ class SlotPool:
                         self.size)
         self._state = np.frombuffer(self.mm, np.int64, SLOTS)
         self._views = [_tensors(self.mm, s, self.slot_bytes, self.layout) for s in range(SLOTS)]
+        self.descriptor_sent = False
 
     def take(self) -> int | None:
         """A free region, now lent; None if every region is lent."""
@@ -110,7 +114,11 @@ class Handoff:
 
     def __reduce__(self):
         p = self.pool
-        return receive, (p.address, self.slot, p.slot_bytes, p.layout, self.transform)
+        fd = None
+        if not p.descriptor_sent:   # the pool's first batch: send the memfd itself, once
+            p.descriptor_sent = True
+            fd = reduction.DupFd(p.fd)
+        return receive, (p.address, self.slot, p.slot_bytes, p.layout, self.transform, fd)
 
 
 # The pools this process has mapped: (pid, inode) -> (start time, mapping).  An entry
@@ -118,40 +126,45 @@ class Handoff:
 _mapped: dict[tuple[int, int], tuple[int, mmap.mmap]] = {}
 
 
-def _mapping(pid: int, start: int, fd: int, inode: int, size: int) -> mmap.mmap:
-    """The worker's pool, mapped once per process."""
-    got = _mapped.get((pid, inode))
-    if got is not None:
-        return got[1]
-    for key, (began, _) in list(_mapped.items()):
-        if not is_alive(key[0], began):
-            del _mapped[key]
-    where = f"/proc/{pid}/fd/{fd}"
+def _mapping(pid: int, start: int, fd: int, inode: int, size: int, sent=None) -> mmap.mmap:
+    """The worker's pool, mapped once per process: from ``sent`` (the descriptor, sent
+    with the pool's first batch) or else through /proc."""
+    opened = sent.detach() if sent is not None else None   # always taken, even if mapped
     try:
-        opened = os.open(where, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        raise RuntimeError(
-            f"a DataLoader batch of shmbuf lives in worker pid {pid}'s memory, which this "
-            f"process (pid {os.getpid()}) cannot open at {where} ({exc.strerror}): the worker "
-            "has exited, or this process may not read its descriptors (another user, or a "
-            "Yama ptrace_scope above 1). Iterate the DataLoader in the process that started "
-            "its workers") from None
-    try:
+        got = _mapped.get((pid, inode))
+        if got is not None:
+            return got[1]
+        for key, (began, _) in list(_mapped.items()):
+            if not is_alive(key[0], began):
+                del _mapped[key]
+        where = f"/proc/{pid}/fd/{fd}"
+        if opened is None:
+            try:
+                opened = os.open(where, os.O_RDWR | os.O_CLOEXEC)
+            except OSError as exc:
+                raise RuntimeError(
+                    f"a DataLoader batch of shmbuf lives in worker pid {pid}'s memory, which "
+                    f"this process (pid {os.getpid()}) cannot open at {where} "
+                    f"({exc.strerror}): the worker has exited or closed it, or this process may "
+                    "not read its descriptors (another user, or a Yama ptrace_scope above 1). "
+                    "Iterate the DataLoader in the process that started its workers") from None
         st = os.fstat(opened)
         if st.st_ino != inode or st.st_size < size or not is_alive(pid, start):
             raise RuntimeError(f"a DataLoader batch of shmbuf names worker pid {pid}'s memory "
                                f"at {where}, but that worker has exited")
         mm = mmap.mmap(opened, size)
     finally:
-        os.close(opened)
+        if opened is not None:
+            os.close(opened)
     _mapped[(pid, inode)] = (start, mm)
     return mm
 
 
-def receive(address: tuple, slot: int, slot_bytes: int, layout: list, transform=None):
+def receive(address: tuple, slot: int, slot_bytes: int, layout: list, transform=None,
+            sent=None):
     """In the trainer: the batch as tensors over the region; freeing them frees the region."""
     pid, start, fd, inode, size = address
-    mm = _mapping(pid, start, fd, inode, size)
+    mm = _mapping(pid, start, fd, inode, size, sent)
     region = (ctypes.c_uint8 * slot_bytes).from_buffer(mm, _HEADER + slot * slot_bytes)
     # The finalizer holds the mapping (the region does too) and runs when the last
     # array or tensor over the region is gone.
