@@ -17,6 +17,8 @@ reward, done; episodes of 500 steps; capacity 100k; batches of 50 windows of 50 
    the median of the rounds' ratios.
 3. CUDA, where available: ``prefetch(device="cuda")`` against ``pin_memory()`` +
    ``.to(device)`` of each sampled batch.
+4. What a spawned worker pays for ``import torch`` at the top of its module: a fresh
+   interpreter importing torch against one importing shmbuf (wall time, resident memory).
 
 Prints a fixed-format table and writes JSON (default benchmarks/results/bench_trainer.json).
 Ratios compare figures measured in the same run; nothing here asserts.
@@ -200,6 +202,28 @@ def cuda_copy(buf, n_batches: int) -> dict:
             "ratio": pre_rate / plain_rate}
 
 
+def import_cost(reps: int = 5) -> dict:
+    """Median wall time and resident memory after a fresh interpreter imports torch, or shmbuf.
+
+    The memory is VmRSS from /proc (ru_maxrss would carry over the forking parent's peak).
+    """
+    import subprocess
+
+    code = ("import re, time; t = time.perf_counter(); import {m}; s = time.perf_counter() - t; "
+            "print(s, re.search(r'VmRSS:\\s+(\\d+)', open('/proc/self/status').read())[1])")
+    out = {}
+    for module in ("torch", "shmbuf"):
+        runs = []
+        for _ in range(reps):
+            got = subprocess.run([sys.executable, "-c", code.format(m=module)], check=True,
+                                 capture_output=True, text=True, timeout=120)
+            seconds, kib = got.stdout.split()
+            runs.append((float(seconds), int(kib) / 1024))
+        out[module] = {"s": statistics.median(r[0] for r in runs),
+                       "rss_mib": statistics.median(r[1] for r in runs)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps, under a minute")
@@ -213,6 +237,7 @@ def main(argv=None) -> int:
         ov = overlap(buf, steps)
         dl = dataloader(buf, tracker, batches, rounds=3 if args.quick else 5)
         cu = cuda_copy(buf, batches)
+    imp = import_cost(3 if args.quick else 5)
     rows = [
         ("1a", "compute step alone (matmul, 1 thread)", f"{ov['step_alone_ms']:.2f} ms", "1.00x",
          ""),
@@ -234,6 +259,11 @@ def main(argv=None) -> int:
     else:
         rows.append(("3", "prefetch(device='cuda') vs pin_memory()+to()",
                      f"{cu['prefetch_batches_per_s']:.1f} b/s", f"{cu['ratio']:.2f}x", ""))
+    rows.append(("4", "a fresh interpreter's 'import torch'",
+                 f"{imp['torch']['s']:.2f} s, {imp['torch']['rss_mib']:.0f} MiB",
+                 f"{imp['torch']['s'] / imp['shmbuf']['s']:.0f}x",
+                 f"vs 'import shmbuf': {imp['shmbuf']['s']:.2f} s, "
+                 f"{imp['shmbuf']['rss_mib']:.0f} MiB"))
     print(f"{'row':<4} {'measurement':<46} {'value':>18} {'ratio':>7}  target")
     for r in rows:
         print(f"{r[0]:<4} {r[1]:<46} {r[2]:>18} {r[3]:>7}  {r[4]}")
@@ -241,7 +271,7 @@ def main(argv=None) -> int:
           f"cpus={os.cpu_count()} load1 before/after={load0:.2f}/{os.getloadavg()[0]:.2f}; "
           f"leaked segments={tracker.leftovers() or 'none'}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu,
+    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu, "imports": imp,
                                      "quick": args.quick, "shmbuf": shmbuf.__version__,
                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
     print(f"wrote {args.json}")
