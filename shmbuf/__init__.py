@@ -19,6 +19,7 @@ from .compat.history import HistoryBuffer
 from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer
 from .compat.planet import Episode, Memory
 from . import keyed as _keyed
+from . import params as _params
 from ._layout import KIND_KEYED as _KIND_KEYED
 from ._segment import Segment as _Segment
 from .compat._base import facade_for as _facade_for
@@ -34,12 +35,13 @@ def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | No
     """Attach to any shmbuf buffer by name; the result never unlinks it, unless ``own``.
 
     ``own=True`` takes over a buffer whose owner died (see ``store.attach``;
-    a HistoryBuffer too): this process then unlinks it at close and answers
+    a HistoryBuffer or a parameter block too): this process then unlinks it at close and answers
     for SIGTERM; the data and the writers carry on.
 
-    Returns the class that made the buffer: a ``Buffer`` for ``create``, or
-    the seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...)
-    that created it.  The segment is mapped once and its header read once.
+    Returns the class that made the buffer: a ``Buffer`` for ``create``, the
+    seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...) that
+    created it, or a ``shmbuf.params.ParamBlock``.  The segment is mapped
+    once and its header read once.
 
     Raises:
         SegmentNotFoundError: no segment has that name.
@@ -60,6 +62,11 @@ def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | No
         segment.close()
         raise
     if owner["kind"] == _KIND_KEYED:
+        user = owner["meta"].get("user") if isinstance(owner["meta"], dict) else None
+        if isinstance(user, dict) and user.get("facade") == _params.FACADE:
+            return _params.ParamBlock(_keyed.open_segment(
+                segment, layout, owner, own=own, handle_signals=handle_signals,
+                made_by=_params.FACADE))
         return HistoryBuffer._from_rings(_keyed.open_segment(
             segment, layout, owner, own=own, handle_signals=handle_signals,
             made_by=HistoryBuffer.KIND_NAME))

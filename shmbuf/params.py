@@ -88,17 +88,31 @@ class ParamBlock(Shared):
         return _signals.watch_or_close(self, handle_signals)
 
     @classmethod
-    def attach(cls, name: str) -> "ParamBlock":
-        """Attach to a block by name; the result never unlinks it.
+    def attach(cls, name: str, *, own: bool = False,
+               handle_signals: bool | None = None) -> "ParamBlock":
+        """Attach to a block by name; the result never unlinks it, unless ``own``.
+
+        Args:
+            own: take the block over from a trainer that died (SIGKILL, a
+                crash), as ``shmbuf.attach(name, own=True)`` does a buffer:
+                this process becomes the owner, unlinks it at close and
+                answers for SIGTERM (``handle_signals`` as in ``create``).
+                Its newest version stays readable and actors read on.
 
         Raises:
             SegmentNotFoundError: no segment has that name.
-            CorruptSegmentError: it is not a parameter block.
+            CorruptSegmentError: it is not a parameter block (left alone, even with ``own``).
+            BufferClosedError: its owner closed it.
+            OwnerAliveError: ``own=True`` and the owner is alive (the message
+                names its pid), or a rival took it over first.
+
+        Example:
+            >>> block = ParamBlock.attach("shmbuf-1a2b3c4d5e6f", own=True)  # restarted trainer
         """
-        rings = keyed.attach(name)
-        if rings.meta.get("facade") != FACADE:
-            rings.close()
-            raise CorruptSegmentError(f"segment {name!r} is not a parameter block")
+        try:
+            rings = keyed.attach(name, own=own, handle_signals=handle_signals, made_by=FACADE)
+        except CorruptSegmentError as exc:
+            raise CorruptSegmentError(f"segment {name!r} is not a parameter block: {exc}") from None
         return cls(rings)
 
     # -- the trainer's side -------------------------------------------------------

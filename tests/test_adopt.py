@@ -3,7 +3,8 @@
 The owner record (pid + start time) is taken by one compare-and-swap, so of
 several restarted trainers exactly one wins; the adopter unlinks at close
 and answers for SIGTERM; writers attached before the crash keep writing.
-HistoryBuffers (keyed rings) are adopted the same way: test_history_lifecycle.py.
+HistoryBuffers and parameter blocks (keyed rings) are adopted the same way (the rival and
+SIGTERM tests here take each kind; more in test_history_lifecycle.py and test_gym_actors.py).
 """
 import json
 import os
@@ -17,7 +18,7 @@ from shmbuf import _segment, cli
 from shmbuf._layout import CLOSED_OWNER
 from shmbuf._wait import poll
 from helpers import crash_harness
-from helpers.adopters import rival_adopters
+from helpers.adopters import dead_owner_param_block, rival_adopters
 from helpers.history_workers import dead_owner_history
 from helpers.stop_workers import Script, shm_exists
 from helpers.workers import SPEC, verify_batch
@@ -41,8 +42,10 @@ def dead_owner_buffer():
         owner.close()  # SIGKILL: nothing is cleaned up
 
 
-# Buffers of each kind whose owner died: a step store, and a HistoryBuffer's keyed rings.
-DEAD_OWNERS, DEAD_OWNER_IDS = [dead_owner_buffer, dead_owner_history], ["store", "history"]
+# Buffers of each kind whose owner died: a step store, a HistoryBuffer's keyed rings, and a
+# parameter block (keyed rings too).
+DEAD_OWNERS = [dead_owner_buffer, dead_owner_history, dead_owner_param_block]
+DEAD_OWNER_IDS = ["store", "history", "params"]
 
 
 def test_a_live_owner_is_never_replaced(make_buffer):

@@ -1,5 +1,6 @@
 """Actor processes: a versioned parameter block, and run_actor recording from spawned children."""
 import multiprocessing as mp
+import os
 import pickle
 
 import gymnasium as gym
@@ -84,6 +85,34 @@ def test_attach_by_name_and_pickle_never_unlink(block):
             ParamBlock.attach(buf.name)
     with pytest.raises(shmbuf.WaitTimeoutError, match="version 1"):
         block.wait_version(2, timeout=0.01)
+
+
+@pytest.mark.slow
+def test_a_restarted_trainer_adopts_the_block_and_actors_read_on():
+    from helpers.adopters import dead_owner_param_block
+    from helpers.stop_workers import shm_exists
+    from shmbuf import _segment
+
+    name = dead_owner_param_block()
+    try:
+        actor = ParamBlock.attach(name)            # attached before the restart
+        assert actor.read()[0] == 1
+        with pytest.raises(shmbuf.CorruptSegmentError, match="not made by a HistoryBuffer"):
+            shmbuf.HistoryBuffer.attach(name, own=True)   # the wrong class adopts nothing
+        block = shmbuf.attach(name, own=True)      # shmbuf.attach knows parameter blocks
+        assert isinstance(block, ParamBlock) and block.owner
+        version, params = block.read()
+        assert version == 1 and (params["w"] == 7).all()
+        assert block.publish({"w": np.full(3, 8, np.float32)}) == 2
+        assert actor.read()[0] == 2 and (actor.read()[1]["w"] == 8).all()
+        with pytest.raises(shmbuf.OwnerAliveError, match=f"owned by pid {os.getpid()}"):
+            ParamBlock.attach(name, own=True)
+        actor.close()
+        block.close()                              # the adopter unlinks
+        assert not shm_exists(name)
+    finally:
+        if shm_exists(name):
+            _segment.unlink(name)
 
 
 @pytest.mark.slow

@@ -16,6 +16,33 @@ from shmbuf._wait import poll
 
 TIMEOUT = 60
 
+PARAM_OWNER = """
+    import numpy as np, time
+    from shmbuf.params import ParamBlock
+    block = ParamBlock.create({{"w": np.zeros(3, np.float32)}}, name={name!r})
+    block.publish({{"w": np.full(3, 7, np.float32)}})
+    print(block.name, flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+def dead_owner_param_block(tag: str = "params") -> str:
+    """The name of a parameter block (version 1: w = 7) whose trainer was SIGKILLed.
+
+    The name carries this test session's pid (conftest's leak check); the
+    caller adopts or removes it.
+    """
+    from helpers.stop_workers import Script
+
+    name = f"shmbuf-test-{tag}-{os.getpid()}-{os.urandom(3).hex()}"
+    owner = Script(PARAM_OWNER.format(name=name))
+    try:
+        assert owner.line() == name
+        return name
+    finally:
+        owner.close()  # SIGKILL: nothing is cleaned up
+
 
 def rival_adopters(adopt, n: int = 4) -> list[dict]:
     """Fork ``n`` processes that call ``adopt()`` at the same moment; their results.
