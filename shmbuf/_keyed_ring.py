@@ -20,9 +20,10 @@ Protocol, a seqlock on the monotonic ``count``:
   keys with ``store_many`` (a release fence and relaxed stores).  The first
   fence orders the previous append's count before this append's data, so a
   reader that sees any byte of entry ``c`` also sees a count of at least ``c``.
-- ``read(keys, gather)``: load the counts (relaxed loads + acquire fence),
-  then the ``next`` words, copy the selected rows (``gather``), acquire
-  fence, load the counts again (``after``).  Position ``q`` is intact iff
+- ``read(keys, select, columns)``: load the counts (relaxed loads + acquire
+  fence), then the ``next`` words, then in C (``_atomic.keyed_take``, without
+  the GIL) copy the rows of the ages ``select`` picks, acquire fence, load the
+  counts again (``after``).  Position ``q`` is intact iff
   ``q >= after - ring_len + 1``: the writer of position ``after`` may be
   clobbering position ``after - ring_len`` right now.  Keys that fail are
   copied again from a fresh snapshot, a bounded number of times.  With
@@ -55,8 +56,10 @@ from ._ring import closed_message
 MAX_ATTEMPTS = 100
 _CLOSED = COUNTERS["closed"]
 
-# gather(keys, count, lengths) -> (copies, oldest position copied per key)
-Gather = Callable[[np.ndarray, np.ndarray, np.ndarray], tuple[dict, np.ndarray]]
+# select(lengths) -> ages: an (E, m) int array, age 0 being each key's newest entry
+Select = Callable[[np.ndarray], np.ndarray]
+# (name, the column's (capacity, ...) view, which of the m ages it reads)
+Column = tuple[str, np.ndarray, slice]
 
 
 class KeyWords:
@@ -77,6 +80,7 @@ class KeyWords:
         base = layout.chunks_offset + self.all * CHUNK_ENTRY
         self._count = base + CHUNK_FIELDS["count"]
         self._next = base + CHUNK_FIELDS["next"]
+        self._first_row = self.all * self.ring_len   # each key's ring starts at this row
 
     def check_open(self) -> None:
         """Raise BufferClosedError once another process closed the rings (one relaxed load).
@@ -134,14 +138,16 @@ class KeyWords:
                 if count <= old or atomic.compare_exchange(self._mm, next_off, old, count):
                     break
 
-    def read(self, keys: np.ndarray, gather: Gather) -> tuple[dict, np.ndarray]:
+    def read(self, keys: np.ndarray, select: Select,
+             columns: list[Column]) -> tuple[dict, np.ndarray]:
         """Copies of ``keys``' entries, validated against concurrent appends.
 
-        ``gather(keys, count, lengths)`` copies rows of the snapshot it is
-        given (``lengths``: live entries per key, ``count``: their counts) and
-        returns ``({name: array (len(keys), ...)}, oldest)``, ``oldest`` being
-        the oldest position it copied per key.  Returns the copies and the
-        ``lengths`` each row was computed from.
+        ``select(lengths)`` gets the live entry count of each key of a
+        snapshot and returns the ages to copy, an ``(E, m)`` int array (age 0
+        is the newest entry; ages outside ``[0, length)`` give zero rows).
+        Each column copies the ages of its slice.  Returns ``({name: array
+        (len(keys), len(slice), ...)}, lengths)``, each row copied from the
+        snapshot its ``lengths`` entry describes.
 
         Raises:
             SampleRetryError: appends lapped a key on each of ``MAX_ATTEMPTS`` tries.
@@ -151,9 +157,19 @@ class KeyWords:
             start, count = self.bounds(sub)
             lengths = count - start
             np.maximum(lengths, 0, out=lengths)
-            got, oldest = gather(sub, count, lengths)
-            atomic.fence_acquire()  # the copies above happen before the re-read below
-            stale = oldest < self._load(self._count, sub) - (self.ring_len - 1)
+            ages = np.ascontiguousarray(select(lengths), np.int64)
+            got, parts = {}, []
+            for name, view, part in columns:
+                lo, hi, _ = part.indices(ages.shape[1])
+                dest = got[name] = np.empty((len(sub), max(0, hi - lo)) + view.shape[1:],
+                                            view.dtype)
+                parts.append((view, lo, max(lo, hi), dest))
+            stale = np.zeros(len(sub), np.bool_)
+            if len(sub):
+                every = sub is self.all
+                atomic.keyed_take(self._mm, self._count if every else self._count[sub],
+                                  self._first_row if every else self._first_row[sub],
+                                  count, lengths, ages, self.ring_len, tuple(parts), stale)
             if pending is None:
                 out, final = got, lengths
             else:

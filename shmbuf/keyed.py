@@ -36,7 +36,6 @@ from ._procs import my_start_time
 from ._segment import ATTACH_TIMEOUT, Reservation, Segment, column_views, generate_name
 
 DEFAULT_SPARE = 4
-_NOT_STALE = np.iinfo(np.int64).max
 
 
 class KeyedRings(Shared):
@@ -55,7 +54,6 @@ class KeyedRings(Shared):
         self.max_len = int(meta["max_len"])
         self._words = KeyWords(segment.mmap, layout, self.max_len, segment.name)
         self._views = column_views(segment, layout, layout.user_columns)
-        self._base = self._words.all * self.ring_len  # first row of each key's ring
         self._open(segment)
 
     @classmethod
@@ -215,33 +213,15 @@ class KeyedRings(Shared):
         keys = self._keys(keys, "read", False)
         if columns is None:
             columns = dict.fromkeys(self._views, slice(None))
-        return self._words.read(keys, lambda sub, count, lengths: self._gather(
-            sub, count, lengths, select(lengths), columns))
-
-    def _gather(self, keys, count, lengths, ages, columns: dict):
-        """Take the rows of ``ages``; return them and each key's oldest position read."""
-        age = np.ascontiguousarray(ages, np.int64)
-        pos = (count - 1)[:, None] - age
-        invalid = None
-        if not age.size:
-            oldest = np.full(len(keys), _NOT_STALE, np.int64)
-        elif age.min() >= 0 and (hi := int(age.max())) < lengths.min():
-            oldest = count - (hi + 1)   # every age valid (the common case): a bound is enough
-        else:
-            invalid = age.view(np.uint64) >= lengths.astype(np.uint64)[:, None]  # -1 wraps
-            if not np.count_nonzero(invalid):
-                invalid = None
-            read = pos if invalid is None else np.where(invalid, _NOT_STALE, pos)
-            oldest = np.minimum.reduce(read, axis=1)
-        rows = pos % self.ring_len  # in range even where invalid (zeroed below)
-        rows += (self._base if keys is self._words.all else self._base[keys])[:, None]
-        out = {}
         for name, part in columns.items():
-            arr = self._views[name].take(rows[:, part], axis=0)
-            if invalid is not None:
-                arr[invalid[:, part]] = 0
-            out[name] = arr
-        return out, oldest
+            if name not in self._views:
+                raise KeyError(f"read: columns names {name!r}, which is not one of "
+                               f"{sorted(self._views)}")
+            if not isinstance(part, slice) or part.step not in (None, 1):
+                raise TypeError(f"read: columns[{name!r}] must be a slice of the ages with "
+                                f"step 1, got {part!r}")
+        return self._words.read(keys, select, [(name, self._views[name], part)
+                                               for name, part in columns.items()])
 
     # -- checkpoints ------------------------------------------------------------
     def snapshot(self, keys=None) -> tuple[np.ndarray, dict[str, np.ndarray]]:

@@ -117,6 +117,40 @@ def test_zero_rows_for_ages_outside_the_live_window(rings):
     assert set(out) == {"x"}
 
 
+def test_columns_read_their_slice_of_the_ages_and_bad_ones_are_refused(rings):
+    for s in range(6):
+        rings.append([1], rows_for([1], [s]))
+    out, _ = rings.read([1], lambda L: np.array([[0, 1, 2, 3]] * len(L)),
+                        {"x": slice(1, 3), "tag": slice(3, None)})
+    assert out["x"][0, :, 1].tolist() == [4, 3] and out["tag"].tolist() == [["s2"]]
+    with pytest.raises(TypeError, match=r"columns\['x'\] must be a slice .* step 1"):
+        rings.read([1], lambda L: np.zeros((len(L), 4), int), {"x": slice(0, 4, 2)})
+    with pytest.raises(KeyError, match="'nope', which is not one of"):
+        rings.read([1], lambda L: np.zeros((len(L), 1), int), {"nope": slice(None)})
+
+
+def test_the_copy_never_reads_outside_a_column():
+    """keyed_take checks every row before it copies: a corrupt base is an error, not a crash."""
+    from shmbuf import _atomic
+
+    with keyed.create(SPEC, n_keys=2, max_len=4, spare=1) as r:
+        fill(r, 0, 3)
+        words, view = r._words, r._views["x"]
+        count, lengths = words.counts(words.all), np.array([3, 0], np.int64)
+        ages = np.array([[0, 1], [0, 1]], np.int64)
+        out, stale = np.empty((2, 2, 2), np.int64), np.zeros(2, np.bool_)
+        args = (r._segment.mmap, words._count, None, count, lengths, ages, words.ring_len,
+                ((view, 0, 2, out),), stale)
+        for first_row in (len(view) - 1, -3, 2**62):   # key 0's newest entries: slots 2, 1
+            with pytest.raises(ValueError, match="outside the column"):
+                _atomic.keyed_take(*args[:2], np.array([first_row, 0], np.int64), *args[3:])
+        assert _atomic.keyed_take(*args[:2], np.array([0, 10**9], np.int64), *args[3:]) == 0
+        assert out[0, :, 1].tolist() == [2, 1] and not out[1].any()
+        with pytest.raises(ValueError, match="do not fit"):
+            _atomic.keyed_take(*args[:2], np.zeros(2, np.int64), *args[3:7],
+                               ((view, 0, 3, out),), stale)
+
+
 def test_retention_is_per_key(rings):
     for s in range(50):
         rings.append([2], rows_for([2], [100 + s]))
