@@ -174,9 +174,8 @@ class WindowFinder:
         ineligible; when that keeps failing, the range is enumerated instead.
         """
         ring = self.ring
-        hi = ring.episodes_logged()
-        held = min(hi, ring.layout.episode_slots, hi if newest is None else newest)
-        lo = hi - held
+        lo, hi = self._episode_range(newest)
+        held = hi - lo
         found, need = [], batch
         m = 2 * need + 16
         for round_ in range(_ROUNDS):
@@ -202,15 +201,49 @@ class WindowFinder:
                 "ingest rate")
         return _joined(found)
 
+    def count_episodes(self, length: int, tail: int, newest: int | None,
+                       rng: np.random.Generator, probes: int = 4096) -> int:
+        """Episodes ``draw_episodes(..., length, tail, newest)`` could pick now: exact or estimated.
+
+        An episode counts when it has at least ``length - tail`` steps and
+        the window at its first step locates (its steps are still held).
+        Exact (every entry checked) while the range of the index holds at
+        most ``probes`` episodes; otherwise ``held * accepted / probes`` from
+        ``probes`` uniform picks over that range, the space ``draw_episodes``
+        picks from.  Unbiased, with the relative standard error of
+        ``count_valid``, and one C pass whatever the capacity.
+        """
+        lo, hi = self._episode_range(newest)
+        held = hi - lo
+        if held <= probes:
+            return self._eligible(self.ring.read_episodes(np.arange(lo, hi)), length, tail)
+        picks = self.ring.read_episodes(lo + rng.integers(0, held, probes))
+        return round(held * self._eligible(picks, length, tail) / probes)
+
+    def _episode_range(self, newest: int | None) -> tuple[int, int]:
+        """``[lo, hi)``: the index entries a per-episode draw picks from."""
+        hi = self.ring.episodes_logged()
+        return hi - min(hi, self.ring.layout.episode_slots, hi if newest is None else newest), hi
+
+    def _eligible(self, picks, length: int, tail: int) -> int:
+        """How many of ``picks`` are long enough and still locate a window at step 0."""
+        picks = picks.take(picks.length >= length - tail)
+        starts = self._seek(picks, np.zeros(len(picks), np.int64))
+        return len(self.valid(starts, length, tail))
+
     def _episode_windows(self, rng, picks, length: int, tail: int, need: int) -> Windows:
         """Windows at a uniform start in each eligible episode of ``picks``, in order."""
         picks = picks.take(picks.length >= length - tail)
         span = picks.length - (length - tail) + 1
         advance = (rng.random(len(picks)) * span).astype(np.int64)
+        return self.locate(self._seek(picks, advance), length, tail, need)
+
+    def _seek(self, picks, advance: np.ndarray) -> np.ndarray:
+        """The row ``advance`` steps into each episode of ``picks``; -1 where not held."""
         starts = np.empty(len(picks), np.int64)
         _windows.seek(self.mm, self.geometry, picks.chunk, picks.seq, picks.offset, advance,
                       starts, self.preempt)
-        return self.locate(starts, length, tail, need)
+        return starts
 
     def _no_episode_message(self, length, tail, held, lo, hi) -> str:
         if not hi:

@@ -491,6 +491,46 @@ class Buffer(Shared):
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
         return self._finder.count_valid(length, tail, gen, probes)
 
+    def count_episodes(self, length: int, tail: int = 0, *, newest: int | None = None,
+                       rng=None, probes: int = 4096) -> int:
+        """How many episodes ``sample_sequences(..., length, tail=tail, uniform="episodes",
+        newest=newest)`` could draw from now.
+
+        An episode counts when it is finished, still in the episode index
+        and still held, and has at least ``length - tail`` steps (each is
+        checked like a draw checks it).  Exact while the index range holds
+        at most ``probes`` episodes; beyond that an unbiased estimate from
+        ``probes`` uniform picks of that range, at a cost that does not grow
+        with the capacity.  Sharded buffers weigh shards by it for
+        ``uniform="episodes"``.
+
+        Args:
+            length: steps per window, 1 <= length <= capacity.
+            tail: as in ``sample_sequences``: 0 <= tail < length.  Default 0.
+            newest: only the newest ``newest`` finished episodes (all the
+                index holds if None), as in ``sample_sequences``.
+            rng: a ``np.random.Generator`` or an int seed for the estimate's
+                picks; default this process's stream of the buffer.
+            probes: index entries checked at most, >= 1.  Default 4096.
+
+        Returns:
+            The count (an estimate when the index range is larger than ``probes``).
+
+        Raises:
+            ValueError / TypeError: a bad argument.
+
+        Example:
+            >>> buf.count_episodes(50)
+        """
+        self._check_open()
+        length = check_int("length", length, 1, self._layout.capacity)
+        tail = check_int("tail", tail, 0, length - 1)
+        if newest is not None:
+            newest = check_int("newest", newest, 1)
+        probes = check_int("probes", probes, 1, 1 << 24)
+        gen = self._random.get() if rng is None else np.random.default_rng(rng)
+        return self._finder.count_episodes(length, tail, newest, gen, probes)
+
     def committed_rows(self) -> np.ndarray:
         """Physical rows of every committed step, chunk by chunk (int64, unordered in time).
 

@@ -227,3 +227,56 @@ def test_count_valid_starts_is_exact_while_small_and_close_when_large(make_buffe
     assert all(abs(g - exact) < 0.05 * exact for g in got), (got, exact)
     with pytest.raises(ValueError, match="tail must be"):
         buf.count_valid_starts(10, tail=10)
+
+
+def _brute_episodes(buf, length, tail=0, newest=None):
+    """Finished episodes still held and long enough, read back one by one."""
+    eps = buf.episodes(newest=newest)
+    return sum(1 for i, n in zip(eps.index, eps.length)
+               if n >= length - tail and buf.read_episode(int(i)) is not None)
+
+
+def test_count_episodes_is_exact_while_the_index_is_small(make_buffer):
+    buf = make_buffer(SPEC, 160, chunk_size=8)
+    lengths = [3, 12, 7, 25, 2, 15, 9, 30, 4, 18] * 3
+    with buf.writer() as w:
+        write_episodes(w, lengths)
+    eps = buf.episodes()
+    assert eps.index[0] > 0, "the small capacity must have recycled the first episodes"
+    assert buf.read_episode(0) is None
+    for length in (1, 4, 9, 16, 26, 31):
+        assert buf.count_episodes(length) == _brute_episodes(buf, length), length
+    assert buf.count_episodes(31) == 0
+    assert buf.count_episodes(10, tail=2) == _brute_episodes(buf, 10, tail=2)
+    assert buf.count_episodes(5, newest=3) == _brute_episodes(buf, 5, newest=3) == 2
+    check_windows(buf.sample_sequences(200, 9, uniform="episodes", rng=0))
+
+
+def test_count_episodes_estimates_when_the_index_holds_more_than_probes(make_buffer):
+    buf = make_buffer(SPEC, 20_000, chunk_size=64)
+    with buf.writer() as w:
+        write_episodes(w, [5, 20] * 250)              # 500 episodes, half of 10 steps or more
+    held, exact, probes = 500, _brute_episodes(buf, 10), 64
+    assert exact == 250 and len(buf.episodes()) == held
+    assert buf.count_episodes(10, probes=held) == exact   # at the limit: still exact
+    # held * Binomial(probes, p) / probes: 6 sigma is held * 6 * sqrt(p (1 - p) / probes)
+    band = held * 6 * np.sqrt(0.5 * 0.5 / probes)
+    got = [buf.count_episodes(10, probes=probes, rng=s) for s in range(5)]
+    assert all(abs(g - exact) < band for g in got), (got, exact, band)
+    assert len(set(got)) > 1, "the estimate should vary with the seed"
+    assert buf.count_episodes(21, probes=probes, rng=0) == 0
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"length": 0}, ValueError, "length must be between 1 and 100, got 0"),
+    ({"length": 101}, ValueError, "length must be between 1 and 100, got 101"),
+    ({"length": 2.0}, TypeError, "length must be an int"),
+    ({"length": 5, "tail": 5}, ValueError, "tail must be between 0 and 4, got 5"),
+    ({"length": 5, "newest": 0}, ValueError, "newest must be at least 1, got 0"),
+    ({"length": 5, "probes": 0}, ValueError, "probes must be between 1 and"),
+    ({"length": 5, "probes": True}, TypeError, "probes must be an int"),
+])
+def test_count_episodes_bad_arguments_name_themselves(make_buffer, kwargs, error, match):
+    buf = make_buffer(SPEC, 100)
+    with pytest.raises(error, match=match):
+        buf.count_episodes(**kwargs)
