@@ -331,6 +331,53 @@ def write_one_episode(state, rb, wid, steps):
     return w.mode
 
 
+def write_aligned_episodes(state, rb, wid: int, count: int, length: int) -> str:
+    """``count`` finished episodes of ``length`` <= EPISODE steps, episode i's steps
+    numbered from i * EPISODE (so ``check_windows`` sees each as one episode)."""
+    with rb.writer() as w:
+        for i in range(count):
+            for t in range(length):
+                s = i * EPISODE + t
+                w.add(wid=wid, step=s, obs=np.full((3, 8, 8), s % 251, np.uint8),
+                      done=t == length - 1)
+        return w.mode
+
+
+def test_episode_draws_are_uniform_over_the_episodes_of_all_shards(cluster, rb):
+    _, _, agents = cluster
+    # 600 steps on each shard: 30 episodes of 20 here (n0), 12 of 50 on n1.
+    assert write_aligned_episodes({}, rb, 0, 30, 20) == "shm"
+    assert ray.get(agents["n1"].run.remote(write_aligned_episodes, rb, 1, 12, 50),
+                   timeout=T) == "shm"
+    gen = np.random.default_rng(0)
+    per_episode = {0: np.zeros(30), 1: np.zeros(12)}
+    for _ in range(40):
+        batch = rb.sample_sequences(256, 10, uniform="episodes", rng=gen)
+        check_windows(batch, 10)
+        for wid, counts in per_episode.items():
+            mine = batch["wid"][0] == wid
+            counts += np.bincount(batch["step"][0][mine] // EPISODE, minlength=len(counts))
+    n = 40 * 256
+    share, p = per_episode[0].sum() / n, 30 / 42         # by steps it would be 330 / 822
+    assert abs(share - p) < 6 * np.sqrt(p * (1 - p) / n), (share, p)
+    every = np.concatenate(list(per_episode.values()))   # n / 42 = 244 each, sigma 15.4
+    q = 1 / 42
+    assert np.abs(every - n * q).max() < 6 * np.sqrt(n * q * (1 - q)), every
+    steps = rb.sample_sequences(2048, 10, rng=gen)
+    assert np.mean(steps["wid"][0] == 0) < 0.5          # 330 / 822 = 0.40 of the starts
+    with rb.prefetch(32, 10, device="cpu", rng=1, uniform="episodes") as it:
+        for _ in range(3):
+            check_windows({k: v.numpy() for k, v in next(it).items()}, 10)
+    with pytest.raises(shmbuf.NotEnoughDataError, match="finished episode of at least 51"):
+        rb.sample_sequences(8, 51, uniform="episodes")
+    with pytest.raises(ValueError, match="newest=None only, got newest=3.*no global order"):
+        rb.sample_sequences(8, 10, uniform="episodes", newest=3)
+    with pytest.raises(ValueError, match="uniform must be one of .*got 'episode'"):
+        rb.sample_sequences(8, 10, uniform="episode")
+    with pytest.raises(ValueError, match="newest=None only"):
+        rb.prefetch(8, 10, device="cpu", uniform="episodes", newest=3)
+
+
 def test_shipping_is_bounded_in_flight(cluster, rb):
     _, _, agents = cluster
     block = 16 * sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in SPEC.values())

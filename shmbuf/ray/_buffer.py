@@ -10,6 +10,7 @@ import ray
 
 import shmbuf
 from shmbuf.ray import _sampler
+from shmbuf.ray._count import MODES
 from shmbuf.ray._errors import ShardLostError, is_loss
 from shmbuf.ray._placement import ShardEntry, actor_name, alive_nodes, make_entry, start_shards
 from shmbuf.ray._shard import META_KEY, node_id
@@ -185,12 +186,13 @@ class ShardedBuffer:
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
                          uniform: str = "steps", newest: int | None = None) -> dict:
-        """``batch_size`` windows uniform over all valid windows of all shards.
+        """``batch_size`` windows uniform over all valid windows (or episodes) of all shards.
 
         Each shard's share is drawn multinomially in proportion to its valid
-        starts; this node's shard is read from shared memory, the others
-        sample on their nodes and send one batch each.  Windows are grouped
-        by shard along the batch axis (shuffle before slicing the batch).
+        starts (its eligible finished episodes with ``uniform="episodes"``);
+        this node's shard is read from shared memory, the others sample on
+        their nodes and send one batch each.  Windows are grouped by shard
+        along the batch axis (shuffle before slicing the batch).
 
         Args:
             batch_size, length, time_major, tail: as ``shmbuf.Buffer.sample_sequences``.
@@ -198,26 +200,34 @@ class ShardedBuffer:
                 tensors of the batch's shapes.
             rng: a ``np.random.Generator`` or seed for the split and the
                 shards' draws; default this handle's generator (``seed=``).
-            uniform, newest: only ``"steps"`` and None (per-episode draws
-                across shards are not offered).
+            uniform: ``"steps"`` (default): every valid start of every
+                shard is equally likely.  ``"episodes"``: every finished
+                episode of every shard that is still held and has at least
+                ``length - tail`` steps is equally likely, the start uniform
+                within it (as ``shmbuf.Buffer.sample_sequences``).
+            newest: None only: each shard numbers its episodes in its own
+                index, so "the newest K episodes" has no meaning across shards.
 
         Returns:
             ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major),
             or the ``out`` objects.
 
         Raises:
-            NotEnoughDataError: no shard holds a valid window yet.
+            NotEnoughDataError: no shard holds a valid window (or an eligible
+                finished episode) yet.
             ShardLostError: every shard is gone.
+            ValueError: a bad argument, ``newest`` included.
 
         Example:
             >>> batch = rb.sample_sequences(50, 50)
+            >>> per_episode = rb.sample_sequences(50, 50, uniform="episodes")
         """
         self._check_open()
         batch_size, length, tail, _ = self._sample_args(batch_size, length, tail, uniform, newest)
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         arrays = _out_arrays(out, self._spec, lead)
-        p = _sampler.plan(self, batch_size, length, tail, time_major, gen)
+        p = _sampler.plan(self, batch_size, length, tail, time_major, gen, uniform=uniform)
         _sampler.finish(self, p, arrays, gen, self.timing)
         return arrays if out is None else out
 
@@ -230,9 +240,12 @@ class ShardedBuffer:
         if length > self._capacity or tail >= length:
             raise ValueError(f"need tail < length <= capacity_per_shard ({self._capacity}), "
                              f"got length {length}, tail {tail}")
-        if uniform != "steps" or newest is not None:
-            raise ValueError("a sharded buffer samples uniform='steps' only (newest=None): "
-                             f"got uniform={uniform!r}, newest={newest!r}")
+        if not isinstance(uniform, str) or uniform not in MODES:
+            raise ValueError(f"uniform must be one of {MODES}, got {uniform!r}")
+        if newest is not None:
+            raise ValueError(f"a sharded buffer takes newest=None only, got newest={newest!r}: "
+                             "each shard numbers its episodes in its own index, so there is "
+                             "no global order of the newest episodes across shards")
         return int(batch_size), int(length), int(tail), None
 
     def prefetch(self, batch_size: int, length: int, *, depth: int = 2, device=None,
@@ -251,7 +264,8 @@ class ShardedBuffer:
             device: ``"cpu"`` or ``"cuda[:N]"``; default CUDA when available.
             rng: seed or generator of the thread's draws (default: one drawn
                 from this handle's generator).
-            **sample_kwargs: ``time_major``, ``tail``.
+            **sample_kwargs: ``time_major``, ``tail``, ``uniform`` (as
+                ``sample_sequences``).
 
         Example:
             >>> with rb.prefetch(50, 50, depth=2, device="cuda") as batches:

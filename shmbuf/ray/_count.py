@@ -15,16 +15,31 @@ uses the sampler's own window check (``WindowFinder.valid``, the C pass):
   batch, so the estimate adds nothing one can see.  Its cost does not grow
   with the capacity (one C pass over 4096 candidates, tens of microseconds).
 
-The count itself is the core's ``Buffer.count_valid_starts``; this module
-holds the sharding's choice of ``PROBES`` and why it is enough.
+For ``uniform="episodes"`` the weight is the shard's eligible finished
+episodes instead (held, at least ``length - tail`` steps), counted the same
+way over its episode index (``Buffer.count_episodes``: exact up to
+``PROBES`` entries, else ``PROBES`` uniform picks, with the same error).
+
+The counts themselves are the core's ``Buffer.count_valid_starts`` and
+``Buffer.count_episodes``; this module holds the sharding's choice of
+``PROBES`` and why it is enough.
 """
 from __future__ import annotations
 
 import numpy as np
 
 PROBES = 4096
+MODES = ("steps", "episodes")   # the values of uniform= a sharded buffer takes
 
 
 def valid_starts(buf, length: int, tail: int, rng: np.random.Generator) -> int:
     """Valid starts of windows ``(length, tail)`` in ``buf`` now (see the module doc)."""
     return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)
+
+
+def weight(buf, length: int, tail: int, uniform: str, rng: np.random.Generator) -> int:
+    """``buf``'s weight in a global batch drawn with ``uniform``: its valid starts
+    (``"steps"``) or its eligible finished episodes (``"episodes"``)."""
+    if uniform == "episodes":
+        return buf.count_episodes(length, tail, rng=rng, probes=PROBES)
+    return valid_starts(buf, length, tail, rng)

@@ -4,7 +4,10 @@ A batch of ``B`` windows is split by one multinomial draw over the shards,
 with probabilities proportional to each shard's valid starts (``_count``),
 then each shard draws its share uniformly over its own valid starts: so the
 batch is uniform over all valid windows of all shards, and no window spans
-two shards (each is drawn inside one shard's buffer).
+two shards (each is drawn inside one shard's buffer).  With
+``uniform="episodes"`` the weights are the shards' eligible finished
+episodes and each shard draws per episode, so every eligible episode of
+every shard is equally likely.
 
 ``plan`` makes the split and sends the remote requests at once; ``finish``
 samples the local share (zero-copy from this node's shard), waits for the
@@ -16,6 +19,8 @@ A remote shard's count comes back with each reply it sends; a count older
 than ``COUNT_MAX_AGE_S`` is refreshed by a call that is not waited for.  A
 split may thus use counts up to one batch (or one second) old: writers only
 add windows, so this under-weights the freshest few steps of a shard.
+Counts are kept per ``(length, tail, uniform)``: a step count is not an
+episode count.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import numpy as np
 import ray
 
 from shmbuf import NotEnoughDataError
-from shmbuf.ray._count import valid_starts
+from shmbuf.ray._count import weight
 from shmbuf.ray._errors import ShardLostError, is_loss
 
 if TYPE_CHECKING:
@@ -52,20 +57,26 @@ class Plan:
     tail: int
     time_major: bool
     parts: list
+    uniform: str = "steps"
+
+    @property
+    def what(self) -> tuple:
+        """The key of this plan's counts: ``(length, tail, uniform)``."""
+        return (self.length, self.tail, self.uniform)
 
 
 class Counts:
-    """The latest valid-start count of each remote shard, per ``(length, tail)``."""
+    """The latest count of each remote shard, per ``what = (length, tail, uniform)``."""
 
     def __init__(self):
-        self._known: dict = {}       # (node, length, tail) -> (count, monotonic time)
-        self._asked: dict = {}       # (node, length, tail) -> (shard, ref of a count call)
+        self._known: dict = {}       # (node, *what) -> (count, monotonic time)
+        self._asked: dict = {}       # (node, *what) -> (shard, ref of a count call)
         self._lock = threading.Lock()   # a prefetch thread and the caller may both sample
 
-    def put(self, node: str, length: int, tail: int, count: int) -> None:
-        self._known[(node, length, tail)] = (int(count), time.monotonic())
+    def put(self, node: str, what: tuple, count: int) -> None:
+        self._known[(node,) + what] = (int(count), time.monotonic())
 
-    def get(self, shards, length: int, tail: int, timeout: float, lost) -> list[int]:
+    def get(self, shards, what: tuple, timeout: float, lost) -> list[int]:
         """One count per shard: cached, refreshed in the background when old.
 
         Shards never counted are asked and waited for (once, in parallel).
@@ -75,23 +86,23 @@ class Counts:
         now, missing = time.monotonic(), []
         with self._lock:
             for s in shards:
-                key = (s.node_id, length, tail)
+                key = (s.node_id,) + what
                 have = self._known.get(key)
                 if have is None:
                     missing.append(s)
                 elif now - have[1] > COUNT_MAX_AGE_S and key not in self._asked:
-                    self._asked[key] = (s, s.actor.count.remote(length, tail))
+                    self._asked[key] = (s, s.actor.count.remote(*what))
         if missing:
-            refs = [s.actor.count.remote(length, tail) for s in missing]
+            refs = [s.actor.count.remote(*what) for s in missing]
             for s, ref in zip(missing, refs):
                 try:
-                    self.put(s.node_id, length, tail, ray.get(ref, timeout=timeout))
+                    self.put(s.node_id, what, ray.get(ref, timeout=timeout))
                 except Exception as exc:
                     if not is_loss(exc):
                         raise
                     lost(s, exc)
-                    self.put(s.node_id, length, tail, 0)
-        return [self._known[(s.node_id, length, tail)][0] for s in shards]
+                    self.put(s.node_id, what, 0)
+        return [self._known[(s.node_id,) + what][0] for s in shards]
 
     def _collect(self, lost) -> None:
         """Take the answers of background count calls that have arrived."""
@@ -108,7 +119,7 @@ class Counts:
                     if self._asked.pop(key, None) is None:
                         continue
                 try:
-                    self.put(key[0], key[1], key[2], ray.get(ref, timeout=0))
+                    self.put(key[0], key[1:], ray.get(ref, timeout=0))
                 except Exception as exc:
                     if not is_loss(exc):
                         raise
@@ -116,28 +127,31 @@ class Counts:
 
 
 def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
-         rng: np.random.Generator, exclude=()) -> Plan:
+         rng: np.random.Generator, exclude=(), uniform: str = "steps") -> Plan:
     """Split a batch over the live shards and send the remote requests."""
     shards = [s for s in rb._live() if s.node_id not in exclude]
     if not shards:
         raise ShardLostError(f"{rb!r} has no live shard left to sample from")
     local = rb._local_shard()
+    what = (length, tail, uniform)
     counts = np.zeros(len(shards), np.float64)
     remote = [i for i, s in enumerate(shards) if s is not local]
     if remote:
-        got = rb._counts.get([shards[i] for i in remote], length, tail, rb._timeout, rb._lost)
+        got = rb._counts.get([shards[i] for i in remote], what, rb._timeout, rb._lost)
         counts[remote] = got
     for i, s in enumerate(shards):
         if s is local and rb._local_alive(s):
-            counts[i] = valid_starts(rb._attached(s), length, tail, rng)
+            counts[i] = weight(rb._attached(s), length, tail, uniform, rng)
         elif s is local or not rb._is_live(s):
             counts[i] = 0
     total = counts.sum()
     if total <= 0:
+        held = ("a valid window" if uniform == "steps" else
+                f"a finished episode of at least {length - tail} steps")
         raise NotEnoughDataError(
-            f"no shard of {rb!r} holds a valid window of length {length} (tail {tail}) yet: "
-            f"{len(shards)} live shards; wait for the writers (rb.wait_ready) or ask for "
-            "shorter windows")
+            f"no shard of {rb!r} holds {held} (windows of length {length}, tail {tail}) "
+            f"yet: {len(shards)} live shards; wait for the writers (rb.wait_ready) or ask "
+            "for shorter windows")
     split = rng.multinomial(batch_size, counts / total)
     parts = []
     for s, n in zip(shards, split):
@@ -146,9 +160,9 @@ def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
         ref = None
         if s is not local:
             seed = int(rng.integers(1 << 63))
-            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed)
+            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed, uniform)
         parts.append(Part(s, int(n), ref))
-    return Plan(batch_size, length, tail, time_major, parts)
+    return Plan(batch_size, length, tail, time_major, parts, uniform)
 
 
 def finish(rb, p: Plan, out: dict, rng: np.random.Generator, timing: dict) -> dict:
@@ -176,7 +190,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
         reply = ray.get(part.ref, timeout=rb._timeout)
     except Exception as exc:
         if isinstance(exc, NotEnoughDataError):     # the count was stale: no window now
-            rb._counts.put(part.shard.node_id, p.length, p.tail, 0)
+            rb._counts.put(part.shard.node_id, p.what, 0)
         elif is_loss(exc):
             rb._lost(part.shard, exc)
         else:
@@ -184,7 +198,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
         _redo(rb, p, part, dest, rng, timing, exclude + (part.shard.node_id,))
         return
     t1 = time.perf_counter()
-    rb._counts.put(part.shard.node_id, p.length, p.tail, reply.pop(_VALID))
+    rb._counts.put(part.shard.node_id, p.what, reply.pop(_VALID))
     timing["remote_sample_s"] += reply.pop(_SAMPLE_S)
     for k, v in reply.items():
         np.copyto(dest[k], v)
@@ -197,7 +211,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
 
 def _redo(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude: tuple) -> None:
     """Draw a failed part's windows again from the other shards."""
-    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude)
+    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude, p.uniform)
     offset = 0
     for q in sorted(sub.parts, key=lambda q: q.ref is not None):
         _fill(rb, sub, q, _slices(dest, offset, q.n, p.time_major), rng, timing, exclude)
@@ -209,10 +223,10 @@ def _sample_local(rb, p: Plan, part: Part, dest: dict, rng) -> None:
     seed = int(rng.integers(1 << 63))
     if all(a.flags.c_contiguous for a in dest.values()):
         buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                             out=dest, rng=seed)
+                             out=dest, rng=seed, uniform=p.uniform)
         return
     batch = buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                                 rng=seed)
+                                 rng=seed, uniform=p.uniform)
     for k, v in batch.items():
         np.copyto(dest[k], v)
 
