@@ -27,8 +27,9 @@ PARAM_OWNER = """
 """
 
 
-def dead_owner_param_block(tag: str = "params") -> str:
-    """The name of a parameter block (version 1: w = 7) whose trainer was SIGKILLed.
+def dead_owner(code: str, tag: str) -> str:
+    """The name of a segment made by ``code`` (run with ``name=`` filled in, printing the
+    name when ready) whose process was then SIGKILLed.
 
     The name carries this test session's pid (conftest's leak check); the
     caller adopts or removes it.
@@ -36,12 +37,17 @@ def dead_owner_param_block(tag: str = "params") -> str:
     from helpers.stop_workers import Script
 
     name = f"shmbuf-test-{tag}-{os.getpid()}-{os.urandom(3).hex()}"
-    owner = Script(PARAM_OWNER.format(name=name))
+    owner = Script(code.format(name=name))
     try:
         assert owner.line() == name
         return name
     finally:
         owner.close()  # SIGKILL: nothing is cleaned up
+
+
+def dead_owner_param_block() -> str:
+    """A parameter block (version 1: w = 7) whose trainer was SIGKILLed (``dead_owner``)."""
+    return dead_owner(PARAM_OWNER, "params")
 
 
 def rival_adopters(adopt, n: int = 4) -> list[dict]:

@@ -6,15 +6,12 @@ Workers report through a pipe end (no named semaphores in /dev/shm).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 import shmbuf
 from shmbuf.compat.history import HistoryBuffer
 
 from helpers.keyed_workers import history_info, pixels_for
-from helpers.stop_workers import Script
 
 # Per-env shapes of history_info's keys; spec= lets workers append before the owner.
 SPEC = {"pixels": ((1, 4, 4, 3), np.uint8), "step": ((), np.int64),
@@ -90,15 +87,7 @@ def check_saved(lengths, entries: dict, envs) -> None:
 
 
 def dead_owner_history(tag: str = "hist") -> str:
-    """The name of a HistoryBuffer (env 0: steps 1..5) whose owner was SIGKILLed.
+    """A HistoryBuffer (env 0: steps 1..5) whose owner was SIGKILLed (``dead_owner``)."""
+    from helpers.adopters import dead_owner
 
-    The name carries this test session's pid (conftest's leak check); the
-    caller adopts or removes it.
-    """
-    name = f"shmbuf-test-{tag}-{os.getpid()}-{os.urandom(3).hex()}"
-    owner = Script(OWNER.format(name=name))
-    try:
-        assert owner.line() == name
-        return name
-    finally:
-        owner.close()  # SIGKILL: nothing is cleaned up
+    return dead_owner(OWNER, tag)
