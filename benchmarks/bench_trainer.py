@@ -14,7 +14,8 @@ reward, done; episodes of 500 steps; capacity 100k; batches of 50 windows of 50 
 2. DataLoader.  Batches per second of ``DataLoader(buf.dataset(50, 50), num_workers=2,
    batch_size=None)`` against the same ``sample_sequences`` calls spread over 2 spawned
    processes (target >= 90%), in alternating rounds (5, or 3 with --quick); the ratio is
-   the median of the rounds' ratios.
+   the median of the rounds' ratios.  Also (2c) the trainer's time to unpickle one
+   batch: shmbuf's handoff against the same batch as torch shared storages.
 3. CUDA, where available: ``prefetch(device="cuda")`` against ``pin_memory()`` +
    ``.to(device)`` of each sampled batch.
 4. What a spawned worker pays for ``import torch`` at the top of its module: a fresh
@@ -143,6 +144,46 @@ def _direct_rate(buf, n_batches: int) -> float:
     return sum(n for _, _, n in got) / (max(e for _, e, _ in got) - min(s for s, _, _ in got))
 
 
+def handoff_cost(reps: int = 40) -> dict:
+    """The trainer's time to unpickle one W1 batch that a DataLoader worker sent.
+
+    shmbuf's handoff (``shmbuf._handoff``: a few ints; the pool was mapped by
+    the first batch) against the same batch as torch shared-memory tensors,
+    pickled the way a worker's result queue does (``ForkingPickler``: each
+    storage's descriptor goes through multiprocessing's resource sharer).
+    Both are pickled and unpickled in this process; the sharer's socket round
+    trip is the same as between processes.
+    """
+    import pickle
+
+    import torch
+    import torch.multiprocessing  # noqa: F401 - registers torch's reductions
+    from multiprocessing.reduction import ForkingPickler
+
+    from shmbuf._handoff import SlotPool
+
+    lead = (L, B)
+    pool = SlotPool(W1_SPEC, lead)
+    pickle.loads(pickle.dumps(pool.handoff(0)))    # the first batch carries the memfd
+    shared = {k: torch.from_numpy(np.zeros(lead + s, d)).share_memory_()
+              for k, (s, d) in W1_SPEC.items()}
+
+    def unpickle(make) -> float:
+        times = []
+        for _ in range(reps):
+            data = make()
+            t0 = time.perf_counter()
+            batch = pickle.loads(data)
+            times.append(time.perf_counter() - t0)
+            del batch
+        return statistics.median(times)
+
+    mine = unpickle(lambda: pickle.dumps(pool.handoff(0)))
+    theirs = unpickle(lambda: bytes(ForkingPickler.dumps(shared)))
+    return {"handoff_ms": mine * 1e3, "torch_storages_ms": theirs * 1e3,
+            "storages": len(shared)}
+
+
 def dataloader(buf, tracker, n_batches: int, rounds: int) -> dict:
     """Direct and DataLoader rates, alternated ``rounds`` times (a change of load hits both)."""
     import torch
@@ -238,6 +279,7 @@ def main(argv=None) -> int:
         dl = dataloader(buf, tracker, batches, rounds=3 if args.quick else 5)
         cu = cuda_copy(buf, batches)
     imp = import_cost(3 if args.quick else 5)
+    ho = handoff_cost(20 if args.quick else 40)
     rows = [
         ("1a", "compute step alone (matmul, 1 thread)", f"{ov['step_alone_ms']:.2f} ms", "1.00x",
          ""),
@@ -254,6 +296,9 @@ def main(argv=None) -> int:
          f"{dl['ratio']:.2f}x", ">= 0.90x (median of paired rounds: "
                                 + " ".join(f"{r:.2f}" for r in dl["ratios"]) + ")"),
     ]
+    rows.append(("2c", "trainer unpickles a worker's batch: handoff", f"{ho['handoff_ms']:.3f} ms",
+                 "", f"vs {ho['storages']} torch shared storages: "
+                     f"{ho['torch_storages_ms']:.2f} ms"))
     if "skipped" in cu:
         rows.append(("3", "CUDA host-to-device", cu["skipped"], "", ""))
     else:
@@ -271,7 +316,7 @@ def main(argv=None) -> int:
           f"cpus={os.cpu_count()} load1 before/after={load0:.2f}/{os.getloadavg()[0]:.2f}; "
           f"leaked segments={tracker.leftovers() or 'none'}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu, "imports": imp,
+    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu, "imports": imp, "handoff": ho,
                                      "quick": args.quick, "shmbuf": shmbuf.__version__,
                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
     print(f"wrote {args.json}")
