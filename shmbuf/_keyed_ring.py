@@ -43,18 +43,16 @@ stops with BufferClosedError instead of writing on into unlinked memory.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import numpy as np
 
 from . import _atomic as atomic
-from ._errors import BufferClosedError, SampleRetryError
-from ._layout import CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, Layout
-from ._ring import closed_message
+from ._errors import SampleRetryError
+from ._layout import CHUNK_ENTRY, CHUNK_FIELDS, Layout
+from ._ring import ClosedMark
 
 MAX_ATTEMPTS = 100
-_CLOSED = COUNTERS["closed"]
 
 # select(lengths) -> ages: an (E, m) int array, age 0 being each key's newest entry
 Select = Callable[[np.ndarray], np.ndarray]
@@ -74,23 +72,12 @@ class KeyWords:
         self.n_keys, self.ring_len, self.max_len = layout.n_chunks, layout.chunk_size, max_len
         self._name = name
         self._label = f"keyed rings {name!r}"
-        # The closed word as a memoryview: a plain aligned load (relaxed) per check.
-        self._closed = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
+        self.check_open = ClosedMark(mm, name).check   # check_open(): see _ring.ClosedMark
         self.all = np.arange(self.n_keys, dtype=np.int64)
         base = layout.chunks_offset + self.all * CHUNK_ENTRY
         self._count = base + CHUNK_FIELDS["count"]
         self._next = base + CHUNK_FIELDS["next"]
         self._first_row = self.all * self.ring_len   # each key's ring starts at this row
-
-    def check_open(self) -> None:
-        """Raise BufferClosedError once another process closed the rings (one relaxed load).
-
-        The process that closed them is not stopped: after ``unlink()`` an
-        owner may keep using its mapping.
-        """
-        word = self._closed[0]
-        if word and word & 0xFFFFFFFF != os.getpid():
-            raise BufferClosedError(closed_message(self._name, word))
 
     def _load(self, table: np.ndarray, keys: np.ndarray) -> np.ndarray:
         offsets = table if keys is self.all else table[keys]

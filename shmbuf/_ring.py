@@ -88,6 +88,26 @@ def closed_word(mm) -> int:
     return atomic.load_acquire(mm, _CLOSED)
 
 
+class ClosedMark:
+    """The closed word of one mapping, checked with one relaxed load (both store kinds).
+
+    A memoryview read is a plain aligned load, half the cost of a numpy
+    scalar read.  ``check(pid)`` raises BufferClosedError once another
+    process closed the segment; the process that closed it (``pid``, this
+    process if None) is not stopped: after ``unlink()`` an owner may keep
+    using its mapping.
+    """
+
+    def __init__(self, mm, name):
+        self.view = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
+        self.name = name
+
+    def check(self, pid: int | None = None) -> None:
+        word = self.view[0]
+        if word and word & _U32 != (os.getpid() if pid is None else pid):
+            raise BufferClosedError(closed_message(self.name, word))
+
+
 def closed_message(name, word: int) -> str:
     reason, pid = word >> 32, word & _U32
     return (f"buffer {name!r} was closed by {CLOSED_BY.get(reason, 'its owner')} (pid {pid}) "
@@ -199,9 +219,9 @@ class Ring:
         self.mm = mm
         self.layout = layout
         self.name = name
-        # The closed word as a memoryview: a plain aligned load (relaxed) per check,
-        # half the cost of a numpy scalar read.
-        self.closed_view = self._closed = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
+        mark = ClosedMark(mm, name)
+        self.closed_view = mark.view   # the writer's C fast path reads it too
+        self.check_open = mark.check   # check_open(pid): see ClosedMark
         n, k = layout.n_chunks, layout.chunk_size
         self.chunk_table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
                                          offset=layout.chunks_offset).reshape(n, -1)
@@ -231,16 +251,6 @@ class Ring:
         atomic.fence_seq_cst()
 
     # -- the closed mark ----------------------------------------------------------
-    def check_open(self, pid: int) -> None:
-        """Raise BufferClosedError once another process closed the buffer (one relaxed load).
-
-        The process that closed it (``pid``) is not stopped: after ``unlink()``
-        an owner may keep using its mapping.
-        """
-        word = self._closed[0]
-        if word and word & _U32 != pid:
-            raise BufferClosedError(closed_message(self.name, word))
-
     def closed(self) -> int:
         return closed_word(self.mm)
 

@@ -728,12 +728,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         segment.unlink()
         segment.close()
         raise
-    return _watch(buf, handle_signals)
-
-
-def _watch(buf: Buffer, handle_signals) -> Buffer:
-    """Let SIGTERM unlink ``buf`` (an owner); closes it if that cannot be arranged."""
-    return _signals.watch_or_close(buf, handle_signals)
+    return _signals.watch_or_close(buf, handle_signals)   # SIGTERM unlinks an owner's
 
 
 def _reattach(name: str, seed) -> Buffer:
@@ -785,4 +780,4 @@ def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: 
     """
     segment.admit(own)
     buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
-    return _watch(buf, handle_signals) if own else buf
+    return _signals.watch_or_close(buf, handle_signals) if own else buf
