@@ -484,12 +484,7 @@ class Buffer(Shared):
         Example:
             >>> buf.count_valid_starts(50)
         """
-        self._check_open()
-        length = check_int("length", length, 1, self._layout.capacity)
-        tail = check_int("tail", tail, 0, length - 1)
-        probes = check_int("probes", probes, 1, 1 << 24)
-        gen = self._random.get() if rng is None else np.random.default_rng(rng)
-        return self._finder.count_valid(length, tail, gen, probes)
+        return self._finder.count_valid(*self._count_args(length, tail, rng, probes))
 
     def count_episodes(self, length: int, tail: int = 0, *, newest: int | None = None,
                        rng=None, probes: int = 4096) -> int:
@@ -522,14 +517,18 @@ class Buffer(Shared):
         Example:
             >>> buf.count_episodes(50)
         """
+        length, tail, gen, probes = self._count_args(length, tail, rng, probes)
+        newest = None if newest is None else check_int("newest", newest, 1)
+        return self._finder.count_episodes(length, tail, newest, gen, probes)
+
+    def _count_args(self, length, tail, rng, probes) -> tuple[int, int, np.random.Generator, int]:
+        """The checked ``(length, tail, generator, probes)`` of the ``count_*`` methods."""
         self._check_open()
         length = check_int("length", length, 1, self._layout.capacity)
         tail = check_int("tail", tail, 0, length - 1)
-        if newest is not None:
-            newest = check_int("newest", newest, 1)
         probes = check_int("probes", probes, 1, 1 << 24)
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
-        return self._finder.count_episodes(length, tail, newest, gen, probes)
+        return length, tail, gen, probes
 
     def committed_rows(self) -> np.ndarray:
         """Physical rows of every committed step, chunk by chunk (int64, unordered in time).
