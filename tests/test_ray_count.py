@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from shmbuf.ray._count import PROBES, valid_starts
+from shmbuf.ray._count import PROBES, weight
 
 SPEC = {"x": ((), np.int64), "done": ((), np.bool_)}
 
@@ -23,7 +23,7 @@ def test_small_shards_are_counted_exactly(make_buffer, length):
     episodes = [50, 80, 20, 75]                       # 225 rows: enumerated, not probed
     buf = make_buffer(SPEC, 1_000, chunk_size=16)
     _fill(buf, episodes)
-    assert valid_starts(buf, length, 0, np.random.default_rng(0)) == _exact(episodes, length)
+    assert weight(buf, length, 0, "steps", np.random.default_rng(0)) == _exact(episodes, length)
 
 
 def test_large_shards_are_estimated_within_a_few_standard_errors(make_buffer):
@@ -34,10 +34,10 @@ def test_large_shards_are_estimated_within_a_few_standard_errors(make_buffer):
     exact = _exact(episodes, 50)
     p = exact / sum(episodes)
     assert sum(episodes) > PROBES
-    got = [valid_starts(buf, 50, 0, np.random.default_rng(s)) for s in range(5)]
+    got = [weight(buf, 50, 0, "steps", np.random.default_rng(s)) for s in range(5)]
     sigma = exact * np.sqrt((1 - p) / (p * PROBES))   # the module doc's standard error
     assert all(abs(g - exact) < 5 * sigma for g in got), (got, exact, sigma)
 
 
 def test_an_empty_shard_counts_zero(make_buffer):
-    assert valid_starts(make_buffer(SPEC, 100), 5, 0, np.random.default_rng(0)) == 0
+    assert weight(make_buffer(SPEC, 100), 5, 0, "steps", np.random.default_rng(0)) == 0

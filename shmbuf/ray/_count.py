@@ -32,14 +32,10 @@ PROBES = 4096
 MODES = ("steps", "episodes")   # the values of uniform= a sharded buffer takes
 
 
-def valid_starts(buf, length: int, tail: int, rng: np.random.Generator) -> int:
-    """Valid starts of windows ``(length, tail)`` in ``buf`` now (see the module doc)."""
-    return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)
-
-
 def weight(buf, length: int, tail: int, uniform: str, rng: np.random.Generator) -> int:
-    """``buf``'s weight in a global batch drawn with ``uniform``: its valid starts
-    (``"steps"``) or its eligible finished episodes (``"episodes"``)."""
+    """``buf``'s weight in a global batch drawn with ``uniform``: its valid starts of
+    windows ``(length, tail)`` (``"steps"``) or its eligible finished episodes
+    (``"episodes"``), now (see the module doc)."""
     if uniform == "episodes":
         return buf.count_episodes(length, tail, rng=rng, probes=PROBES)
-    return valid_starts(buf, length, tail, rng)
+    return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)
