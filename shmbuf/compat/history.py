@@ -112,8 +112,7 @@ class HistoryBuffer(Shared):
     def __init__(self, n_envs: int, max_len: int, action_block: int = 1, block_keys=(), *,
                  spec=None, seed=None, name: str | None = None,
                  handle_signals: bool | None = None):
-        self._set_params(check_int("n_envs", n_envs), check_int("max_len", max_len),
-                         check_int("action_block", action_block), _infos.block_keys(block_keys))
+        self._set_params(**_checked_params(n_envs, max_len, action_block, block_keys))
         schema = _infos.schema_from_spec(spec) if spec is not None else None
         _signals.check(handle_signals)
         self._random = ProcessRandom(seed, name=name or "")
@@ -511,15 +510,20 @@ class HistoryBuffer(Shared):
         return self
 
 
+def _checked_params(n_envs, max_len, action_block, block_keys) -> dict:
+    """The constructor's parameters, checked (a bad one is an error naming it)."""
+    return {"n_envs": check_int("n_envs", n_envs), "max_len": check_int("max_len", max_len),
+            "action_block": check_int("action_block", action_block),
+            "block_keys": _infos.block_keys(block_keys)}
+
+
 def _saved_setup(path, manifest: dict) -> tuple[dict, tuple[_infos.KeySchema, ...]]:
     """The constructor's parameters and the schema recorded in a save's manifest."""
     meta = manifest["meta"]
     try:
         params = meta["params"]
-        setup = {"n_envs": check_int("n_envs", params["n_envs"]),
-                 "max_len": check_int("max_len", params["max_len"]),
-                 "action_block": check_int("action_block", params["action_block"]),
-                 "block_keys": _infos.block_keys(params["block_keys"])}
+        setup = _checked_params(params["n_envs"], params["max_len"], params["action_block"],
+                                params["block_keys"])
         schema = _infos.schema_from_meta(meta["keys"], manifest["spec"])
         if len(schema) != len(manifest["spec"]) or any(type(s.key) is not str for s in schema):
             raise ValueError(f"keys {meta['keys']!r} do not name the columns "
