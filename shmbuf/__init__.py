@@ -35,8 +35,8 @@ def attach(name: str, *, seed=None, own: bool = False, handle_signals: bool | No
     """Attach to any shmbuf buffer by name; the result never unlinks it, unless ``own``.
 
     ``own=True`` takes over a buffer whose owner died (see ``store.attach``;
-    a HistoryBuffer or a parameter block too): this process then unlinks it at close and answers
-    for SIGTERM; the data and the writers carry on.
+    a HistoryBuffer or a parameter block too): this process then unlinks it
+    at close and answers for SIGTERM; the data and the writers carry on.
 
     Returns the class that made the buffer: a ``Buffer`` for ``create``, the
     seed facade (``ReplayBuffer``, ``Memory``, ``HistoryBuffer``, ...) that
