@@ -294,7 +294,8 @@ fence_seq_cst(PyObject *self, PyObject *unused)
  *     caller then takes the Python path, which makes every check and raises
  *     its errors, or claims the next chunk;
  *   - or copies every value into the stream's next row, stores the row's
- *     episode number in _ep, counts the steps in the slot (release), and
+ *     episode number in _ep, numbers the steps (a fetch-add on the header's
+ *     clock, then each row's _t), counts the steps in the slot (release), and
  *     publishes the new counts (release; for many streams one release fence
  *     and relaxed stores), in _ring.Streams.publish's order.  It returns 1
  *     if the done column is true in a row (the caller ends those episodes),
@@ -319,9 +320,11 @@ typedef struct {
     Col *cols;
     int done;                /* index of the done column, -1 if none */
     char *ep_col;            /* the int64 _ep column */
+    char *t_col;             /* the int64 _t column: each row's clock number */
     npy_intp capacity;
     int64_t *fill, *base, *rows, *count_off, *ep, *left;
     Py_ssize_t steps_off;    /* the slot's step counter */
+    Py_ssize_t clock_off;    /* the header's clock */
     Py_ssize_t closed_off;   /* the header's closed word */
 } Appender;
 
@@ -373,26 +376,26 @@ scalar_kind(PyArray_Descr *d)
 }
 
 /*
- * Appender(mm, names, views, ep_view, done, fill, base, rows, count_off, ep,
- *          left, steps_off, closed_off)
+ * Appender(mm, names, views, ep_view, t_view, done, fill, base, rows, count_off, ep,
+ *          left, steps_off, clock_off, closed_off)
  */
 static PyObject *
 appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
-    PyObject *names, *views, *ep_view, *fill, *base, *rows, *count_off, *ep, *left, *mm;
+    PyObject *names, *views, *ep_view, *t_view, *fill, *base, *rows, *count_off, *ep, *left, *mm;
     int done;
-    Py_ssize_t steps_off, closed_off;
-    if (!PyArg_ParseTuple(args, "OO!O!OiOOOOOOnn", &mm, &PyTuple_Type, &names, &PyTuple_Type,
-                          &views, &ep_view, &done, &fill, &base, &rows, &count_off, &ep,
-                          &left, &steps_off, &closed_off))
+    Py_ssize_t steps_off, clock_off, closed_off;
+    if (!PyArg_ParseTuple(args, "OO!O!OOiOOOOOOnnn", &mm, &PyTuple_Type, &names, &PyTuple_Type,
+                          &views, &ep_view, &t_view, &done, &fill, &base, &rows, &count_off,
+                          &ep, &left, &steps_off, &clock_off, &closed_off))
         return NULL;
     Appender *self = (Appender *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
     if (PyObject_GetBuffer(mm, &self->mm, PyBUF_WRITABLE) < 0)
         goto fail;
-    self->keep = Py_BuildValue("(OOOOOOOOO)", views, ep_view, fill, base, rows, count_off,
-                               ep, left, names);
+    self->keep = Py_BuildValue("(OOOOOOOOOO)", views, ep_view, t_view, fill, base, rows,
+                               count_off, ep, left, names);
     if (!self->keep)
         goto fail;
     Py_ssize_t ncols = PyTuple_GET_SIZE(names);
@@ -407,15 +410,22 @@ appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         || !(self->count_off = (int64_t *)array_data(count_off, NPY_INT64, self->n, "count_off"))
         || !(self->ep = (int64_t *)array_data(ep, NPY_INT64, self->n, "ep"))
         || !(self->left = (int64_t *)array_data(left, NPY_INT64, 1, "left"))
-        || !(self->ep_col = array_data(ep_view, NPY_INT64, 1, "ep_view")))
+        || !(self->ep_col = array_data(ep_view, NPY_INT64, 1, "ep_view"))
+        || !(self->t_col = array_data(t_view, NPY_INT64, 1, "t_view")))
         goto fail;
     self->capacity = PyArray_DIM((PyArrayObject *)ep_view, 0);
+    if (PyArray_DIM((PyArrayObject *)t_view, 0) != self->capacity) {
+        PyErr_SetString(PyExc_ValueError, "Appender: the _t view does not fit");
+        goto fail;
+    }
     if (steps_off < 0 || steps_off % 8 || steps_off > self->mm.len - 8
+        || clock_off < 0 || clock_off % 8 || clock_off > self->mm.len - 8
         || closed_off < 0 || closed_off % 8 || closed_off > self->mm.len - 8) {
         PyErr_SetString(PyExc_ValueError, "Appender: an offset is not a word of the mapping");
         goto fail;
     }
     self->steps_off = steps_off;
+    self->clock_off = clock_off;
     self->closed_off = closed_off;
     self->done = done;
     self->cols = PyMem_Calloc(ncols ? ncols : 1, sizeof(Col));
@@ -676,8 +686,13 @@ append(Appender *self, PyObject *columns, int batch)
                 terminal = truth_of(c, src[self->done] + j * c->row_bytes);
     }
     char *mm = (char *)self->mm.buf;
-    for (npy_intp j = 0; j < n; j++)
+    /* Numbered in the buffer's publish order before the counts publish the rows. */
+    uint64_t t = atomic_fetch_add_explicit((atomic_u64 *)(mm + self->clock_off), (uint64_t)n,
+                                           memory_order_relaxed);
+    for (npy_intp j = 0; j < n; j++) {
         ((int64_t *)self->ep_col)[self->base[j] + self->fill[j]] = self->ep[j];
+        ((int64_t *)self->t_col)[self->base[j] + self->fill[j]] = (int64_t)(t + (uint64_t)j);
+    }
     /* Counted before published: steps_written is never behind what readers see. */
     atomic_u64 *steps = (atomic_u64 *)(mm + self->steps_off);
     atomic_store_explicit(steps, atomic_load_explicit(steps, memory_order_relaxed)

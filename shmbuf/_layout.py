@@ -6,7 +6,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   off  field          fmt  meaning
     0  magic          Q    b"SHMBUF\\0\\1" read as little-endian u64
     8  version        I    LAYOUT_VERSION of the shmbuf that created the segment
-   12  n_columns      I    entries in the column table (user columns + "_ep")
+   12  n_columns      I    entries in the column table (user columns + "_ep", "_t")
    16  total_bytes    Q    size of the whole segment
    24  capacity       Q    rows per column
    32  chunk_size     Q    rows per chunk; the last chunk may be shorter
@@ -24,6 +24,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   128  ticket         Q    atomic: chunk claims so far; ticket % n_chunks is next to recycle
   192  next_stream    Q    atomic: stream ids handed out so far
   256  evicted        Q    atomic: committed steps dropped by recycling
+  320  clock          Q    atomic: steps ever published; a step's number is its row's _t
   384  samples        Q    atomic: sample calls served
   512  serial         Q    atomic: serial numbers handed out by Buffer.next_serial()
   640  episode_ticket  Q   atomic: episodes logged so far; entry i lives at i % episode_slots
@@ -36,7 +37,9 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
    ..  chunk table    n_chunks x 64 B, see CHUNK_FIELDS
    ..  episode index  episode_slots x 64 B, see EPISODE_FIELDS
-   ..  columns        capacity x row_bytes each, each starting on a page boundary
+   ..  columns        capacity x row_bytes each, each starting on a page boundary; the
+                      user's, then the internal _ep (a row's episode number in its
+                      stream) and _t (its clock number: the publish order, buffer-wide)
 
 Every atomic counter, slot, chunk and episode entry owns a 64-byte cache
 line, so that writers touching different entries never share a line.  The
@@ -59,7 +62,7 @@ from ._args import check_int
 from ._errors import CorruptSegmentError, LayoutVersionError
 
 MAGIC = int.from_bytes(b"SHMBUF\x00\x01", "little")
-LAYOUT_VERSION = 3
+LAYOUT_VERSION = 4
 KIND_STORE, KIND_KEYED = 0, 1
 # What each kind holds, and what attaches to it: for error messages.
 KINDS = {KIND_STORE: ("a step store", "shmbuf.attach"),
@@ -73,6 +76,10 @@ MAX_COLUMN_BYTES = 1 << 46
 DEFAULT_CHUNK_SIZE = 512
 DEFAULT_MAX_WRITERS = 128
 EP_COLUMN = "_ep"
+T_COLUMN = "_t"
+# Columns of every step store after the user's, in this order: written by the
+# protocol (_ring), never by users.
+INTERNAL_COLUMNS = (EP_COLUMN, T_COLUMN)
 
 # (offset, struct format) of each fixed header field; the table above in code.
 HEADER_FIELDS = {
@@ -94,7 +101,8 @@ HEADER_FIELDS = {
     "episode_slots": (112, "<Q"),
     "episodes_at": (120, "<Q"),
 }
-COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "samples": 384, "serial": 512,
+COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "clock": 320, "samples": 384,
+            "serial": 512,
             "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
             "sampled_rows": 896}
 # Who set the closed word (its bits 32-63), for the message writers get.
@@ -187,7 +195,7 @@ class Layout:
 
     @property
     def user_columns(self) -> tuple[Column, ...]:
-        return tuple(c for c in self.columns if c.name != EP_COLUMN)
+        return tuple(c for c in self.columns if c.name not in INTERNAL_COLUMNS)
 
     def chunk_field(self, chunk: int, field: str) -> int:
         return self.chunks_offset + chunk * CHUNK_ENTRY + CHUNK_FIELDS[field]
@@ -244,8 +252,9 @@ def normalize_spec(spec) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Check a ``{name: (shape, dtype)}`` schema and return it normalised."""
     if not isinstance(spec, dict) or not spec:
         raise TypeError(f"spec must be a non-empty dict of name -> (shape, dtype), got {spec!r}")
-    if len(spec) >= MAX_COLUMNS:
-        raise ValueError(f"spec has {len(spec)} columns; at most {MAX_COLUMNS - 1} are supported")
+    most = MAX_COLUMNS - len(INTERNAL_COLUMNS)
+    if len(spec) > most:
+        raise ValueError(f"spec has {len(spec)} columns; at most {most} are supported")
     out = {}
     for name, entry in spec.items():
         validate_column_name(name)
@@ -294,12 +303,12 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         episode_slots = default_episode_slots(capacity)
     episode_slots = check_int("episode_slots", episode_slots, 1, 1 << 32)
     n_chunks = math.ceil(capacity / chunk_size)
-    slots_offset = COLUMN_TABLE + (len(columns_in) + 1) * COLUMN_ENTRY
+    slots_offset = COLUMN_TABLE + (len(columns_in) + len(INTERNAL_COLUMNS)) * COLUMN_ENTRY
     chunks_offset = slots_offset + max_writers * SLOT_ENTRY
     episodes_offset = chunks_offset + n_chunks * CHUNK_ENTRY
     cursor = _align(episodes_offset + episode_slots * EPISODE_ENTRY, PAGE)
     columns = []
-    entries = list(columns_in.items()) + [(EP_COLUMN, ((), np.dtype("<i8")))]
+    entries = list(columns_in.items()) + [(c, ((), np.dtype("<i8"))) for c in INTERNAL_COLUMNS]
     for name, (shape, dtype) in entries:
         row_bytes = math.prod(shape) * dtype.itemsize
         if row_bytes * capacity > MAX_COLUMN_BYTES:
@@ -377,7 +386,7 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     if head["total_bytes"] != segment_bytes:
         raise bad(f"header says {head['total_bytes']} bytes but the segment has {segment_bytes}")
     n_columns = head["n_columns"]
-    if not 2 <= n_columns <= MAX_COLUMNS or COLUMN_TABLE + n_columns * COLUMN_ENTRY > segment_bytes:
+    if not len(INTERNAL_COLUMNS) + 1 <= n_columns <= MAX_COLUMNS or COLUMN_TABLE + n_columns * COLUMN_ENTRY > segment_bytes:
         raise bad(f"column count {n_columns} is out of range")
     spec = {}
     for i in range(n_columns):
@@ -391,13 +400,15 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         if ndim > MAX_NDIM:
             raise bad(f"column {cname!r} claims {ndim} dims")
         spec[cname] = (tuple(raw[3:3 + ndim]), dtype, raw[11], raw[12])
-    if list(spec)[-1] != EP_COLUMN or spec[EP_COLUMN][:2] != ((), np.dtype("<i8")):
-        raise bad("the internal episode column is missing or malformed")
-    user = {k: v[:2] for k, v in spec.items() if k != EP_COLUMN}
+    internal = list(spec)[-len(INTERNAL_COLUMNS):]
+    if internal != list(INTERNAL_COLUMNS) or any(
+            spec[c][:2] != ((), np.dtype("<i8")) for c in INTERNAL_COLUMNS):
+        raise bad(f"the internal columns {INTERNAL_COLUMNS} are missing or malformed")
+    user = {k: v[:2] for k, v in spec.items() if k not in INTERNAL_COLUMNS}
     done = head["done_column"]
     if len(spec) != n_columns:
         raise bad("its column table repeats a column name")
-    done_key = list(spec)[done] if 0 <= done < n_columns - 1 else None
+    done_key = list(spec)[done] if 0 <= done < n_columns - len(INTERNAL_COLUMNS) else None
     if done != -1 and done_key is None:
         raise bad(f"done column index {done} is out of range")
     try:

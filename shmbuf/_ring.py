@@ -28,7 +28,7 @@ from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
                       EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, SEALED, SLOT_ENTRY,
                       SLOT_FIELDS, STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout,
-                      pack_chunk_state, read_field, unpack_chunk_state)
+                      pack_chunk_state, read_field, unpack_chunk_state, T_COLUMN)
 from ._procs import is_alive, my_start_time
 
 _U32 = 0xFFFFFFFF
@@ -70,6 +70,7 @@ def header_written(mm) -> bool:
 
 # -- the closed mark and the owner record (segments of every kind) -----------------
 _CLOSED, _OWNER, _OWNER_STAMP = COUNTERS["closed"], COUNTERS["owner"], COUNTERS["owner_stamp"]
+_CLOCK = COUNTERS["clock"]
 
 
 def mark_closed(mm, reason: int, pid: int) -> bool:
@@ -230,6 +231,9 @@ class Ring:
         self.chunk_rows = np.minimum(k, layout.capacity - self.chunk_base)
         self.count_off = layout.chunks_offset + np.arange(n, dtype=np.int64) * CHUNK_ENTRY \
             + CHUNK_FIELDS["count"]
+        # Each row's clock number (_t): written here, by the publish paths below.
+        self.clock_rows = np.frombuffer(mm, dtype="<i8", count=layout.capacity,
+                                        offset=layout.column(T_COLUMN).offset)
         self.slot_table = np.frombuffer(mm, dtype="<u8", count=layout.max_writers * SLOT_ENTRY // 8,
                                         offset=layout.slots_offset).reshape(-1, SLOT_ENTRY // 8)
         self.slot_steps = self.slot_table[:, SLOT_FIELDS["steps"] // 8]
@@ -261,6 +265,29 @@ class Ring:
     def bump(self, name: str, delta: int = 1) -> int:
         """Add ``delta`` to a counter; return its value before."""
         return atomic.fetch_add(self.mm, COUNTERS[name], delta)
+
+    # -- the step clock ---------------------------------------------------------
+    def clock(self) -> int:
+        """Steps ever published in this buffer (a step is numbered before its publish)."""
+        return atomic.load_acquire(self.mm, _CLOCK)
+
+    def stamp(self, row: int, n: int = 1) -> None:
+        """Number the ``n`` contiguous rows from ``row`` in the buffer's publish order.
+
+        A fetch-add on ``clock`` then the rows' ``_t``; called before the
+        count store that publishes them, so a reader that sees a row
+        committed sees its number.
+        """
+        t = atomic.fetch_add(self.mm, _CLOCK, n)
+        if n == 1:
+            self.clock_rows[row] = t
+        else:
+            self.clock_rows[row:row + n] = np.arange(t, t + n)
+
+    def stamp_rows(self, rows: np.ndarray) -> None:
+        """``stamp`` for scattered rows (one step of every stream of ``add_batch``)."""
+        t = atomic.fetch_add(self.mm, _CLOCK, len(rows))
+        self.clock_rows[rows] = np.arange(t, t + len(rows))
 
     # The sums are relaxed loads; the fence orders them before any later load.
     def live_steps(self) -> int:
@@ -640,6 +667,7 @@ class Streams:
         """Make stream ``i``'s written row visible; a terminal one ends the episode."""
         fill = int(self.fill[i]) + 1
         self.fill[i] = fill
+        self.ring.stamp(int(self.base[i]) + fill - 1)
         # Counted before it is published: a writer killed in between leaves
         # steps_written one ahead, never behind what readers can see.
         self.slot.count_steps(1)
@@ -651,14 +679,14 @@ class Streams:
         """The C fast path that appends one step to each of these streams (``_atomic.c``).
 
         It checks that every value already fits its column exactly, copies,
-        counts and publishes in ``publish``'s order, and shares this object's
+        numbers (``stamp``), counts and publishes in ``publish``'s order, and shares this object's
         cursors.  None when the columns do not suit it (a done column that is
         not a plain numeric scalar): the caller keeps the Python path.
         """
         try:
-            return atomic.Appender(self.ring.mm, names, views, ep_view, done, self.fill,
-                                   self.base, self.rows, self.count_off, self.ep, self.left,
-                                   self.slot.steps_off, _CLOSED)
+            return atomic.Appender(self.ring.mm, names, views, ep_view, self.ring.clock_rows,
+                                   done, self.fill, self.base, self.rows, self.count_off,
+                                   self.ep, self.left, self.slot.steps_off, _CLOCK, _CLOSED)
         except ValueError:
             return None
 
@@ -683,6 +711,7 @@ class Streams:
             if start + t + 1 < self.rows[i]:
                 self._mark_start(i, start + int(t) + 1)
         self.fill[i] = start + n
+        self.ring.stamp(int(self.base[i]) + start, n)
         self.slot.count_steps(n)
         atomic.store_release(self.ring.mm, int(self.count_off[i]), start + n)
         for t in ends:
@@ -698,6 +727,7 @@ class Streams:
 
     def publish_all(self, terminal: np.ndarray | None) -> None:
         """Make every stream's written row visible; ``terminal`` rows end episodes."""
+        self.ring.stamp_rows(self.base + self.fill)
         self.fill += 1
         self.left[0] -= 1
         self.slot.count_steps(len(self.id))

@@ -197,7 +197,7 @@ def check_layout(lay, spec, capacity, chunk_size, max_writers):
     assert lay.chunk_rows(0) == min(k, capacity)
     assert 1 <= lay.chunk_rows(last) <= k
     assert last * k + lay.chunk_rows(last) == capacity
-    assert [c.name for c in lay.columns] == list(spec) + [L.EP_COLUMN]
+    assert [c.name for c in lay.columns] == list(spec) + list(L.INTERNAL_COLUMNS)
     assert lay.columns[-1].shape == () and lay.columns[-1].dtype == np.dtype("<i8")
     for col in lay.user_columns:
         shape, dtype = spec[col.name]
@@ -394,15 +394,20 @@ CORRUPTIONS = {
     "ep name": lambda b: _poke_name(b, 3, b"_eq"),
     "ep dtype": lambda b: _poke_dtype(b, 3, b"<i4"),
     "ep shape": lambda b: _poke_u64("ndim", i=3)(b, 1),
+    "t name": lambda b: _poke_name(b, 4, b"_u"),
+    "t dtype": lambda b: _poke_dtype(b, 4, b"<u8"),
+    "ep and t swapped": lambda b: (_poke_name(b, 3, b"_t"), _poke_name(b, 4, b"_ep")),
     "n_columns 0": lambda b: _set_field(b, "n_columns", 0),
     "n_columns 1": lambda b: _set_field(b, "n_columns", 1),
     "n_columns 3": lambda b: _set_field(b, "n_columns", 3),
-    "n_columns 5": lambda b: _set_field(b, "n_columns", 5),
+    "n_columns 4": lambda b: _set_field(b, "n_columns", 4),
+    "n_columns 6": lambda b: _set_field(b, "n_columns", 6),
     "n_columns 65": lambda b: _set_field(b, "n_columns", 65),
     "n_columns max": lambda b: _set_field(b, "n_columns", 2**32 - 1),
     "done index 99": lambda b: _set_field(b, "done_column", 99),
     "done index -2": lambda b: _set_field(b, "done_column", -2),
     "done index of _ep": lambda b: _set_field(b, "done_column", 3),
+    "done index of _t": lambda b: _set_field(b, "done_column", 4),
     "done index of obs": lambda b: _set_field(b, "done_column", 0),
     "capacity 0": lambda b: _set_field(b, "capacity", 0),
     "capacity +1": lambda b: _set_field(b, "capacity", 65),
@@ -645,7 +650,7 @@ BAD_ARGS = [
     ("spec list", [("obs", ((3,), np.uint8))], 10, {}, TypeError, "spec"),
     ("spec None", None, 10, {}, TypeError, "spec"),
     ("spec empty", {}, 10, {}, TypeError, "spec"),
-    ("spec too many columns", _many_columns(64), 10, {}, ValueError, "spec"),
+    ("spec too many columns", _many_columns(63), 10, {}, ValueError, "spec"),
     ("entry not a pair", _with(obs=((3, 8, 8),)), 10, {}, TypeError, "spec['obs']"),
     ("entry a string", _with(obs="uint8"), 10, {}, TypeError, "spec['obs']"),
     ("entry a triple", _with(obs=((3,), np.uint8, 1)), 10, {}, TypeError, "spec['obs']"),
@@ -739,7 +744,8 @@ def test_create_rejects_bad_name_and_leaves_nothing(name, exc):
 
 def test_boundary_arguments_are_accepted():
     L.plan({"a" * 63: ((), np.uint8)}, 1)
-    L.plan(_many_columns(63), 2**40, chunk_size=2**40, max_writers=L.NO_SLOT - 1)
+    L.plan(_many_columns(L.MAX_COLUMNS - len(L.INTERNAL_COLUMNS)), 2**40, chunk_size=2**40,
+           max_writers=L.NO_SLOT - 1)
     L.plan({"obs": ((1,) * L.MAX_NDIM, np.uint8)}, 1, chunk_size=1)
     L.plan({"obs": (np.array([3, 4]), np.uint8)}, 5)  # any int sequence is a shape
     L.plan({"obs": (7, np.uint8)}, 5)                  # a bare int is a 1-d shape
