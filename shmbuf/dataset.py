@@ -30,7 +30,7 @@ from ._errors import BufferClosedError, SegmentNotFoundError
 from ._process_rng import ProcessRandom
 from ._segment import SHM_DIR
 
-SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest")
+SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest", "select")
 
 
 def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: str) -> dict:
@@ -43,11 +43,11 @@ def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: 
     time_major = sample_kwargs.get("time_major", True)
     if not isinstance(time_major, (bool, np.bool_)):
         raise TypeError(f"time_major must be True or False, got {time_major!r}")
-    uniform = sample_kwargs.get("uniform", "steps")
-    batch_size, length, tail, newest = buffer._sample_args(
-        batch_size, length, sample_kwargs.get("tail", 0), uniform, sample_kwargs.get("newest"))
+    uniform, newest, select = (sample_kwargs.get(k) for k in ("uniform", "newest", "select"))
+    batch_size, length, tail, _ = buffer._sample_args(
+        batch_size, length, sample_kwargs.get("tail", 0), uniform, newest, select)
     return {"batch_size": batch_size, "length": length, "time_major": bool(time_major),
-            "tail": tail, "uniform": uniform, "newest": newest}
+            "tail": tail, "uniform": uniform, "newest": newest, "select": select}
 
 
 def torch_dtype(dtype: np.dtype, column: str = ""):

@@ -46,6 +46,10 @@ class Windows:
     chunks: np.ndarray      # (B, H) chunk per hop, -1 where unused
     seqs: np.ndarray        # (B, H) seq each hop had when located
 
+    def take(self, keep) -> "Windows":
+        """The windows ``keep`` (an index array or a mask) selects, in that order."""
+        return Windows(self.rows[keep], self.chunks[keep], self.seqs[keep])
+
 
 class WindowFinder:
     """Locates and validates windows over one ring; see the module doc."""
@@ -132,7 +136,7 @@ class WindowFinder:
             raise SampleRetryError(
                 f"could not draw {batch} windows of length {length}: writers recycled the "
                 "chosen chunks each time; the buffer is too small for its ingest rate")
-        return _joined(found)
+        return joined(found)
 
     def _valid_starts(self, rng, need: int, length: int, tail: int) -> np.ndarray:
         """``need`` start rows drawn from an enumeration of every committed row."""
@@ -182,7 +186,7 @@ class WindowFinder:
             if not held or not need:
                 break
             picks = ring.read_episodes(lo + rng.integers(0, held, min(m << 2 * round_, 1 << 20)))
-            found.append(self._episode_windows(rng, picks, length, tail, need))
+            found.append(self.episode_windows(rng, picks, length, tail, need))
             need -= len(found[-1].rows)
         for _ in range(_ROUNDS):
             if not need:
@@ -192,14 +196,14 @@ class WindowFinder:
             if not len(eligible):
                 raise NotEnoughDataError(self._no_episode_message(length, tail, held, lo, hi))
             picks = eligible.take(rng.integers(0, len(eligible), 2 * need + 16))
-            found.append(self._episode_windows(rng, picks, length, tail, need))
+            found.append(self.episode_windows(rng, picks, length, tail, need))
             need -= len(found[-1].rows)
         if need:
             raise SampleRetryError(
                 f"could not draw {batch} episode windows of length {length}: writers "
                 "recycled the chosen chunks each time; the buffer is too small for its "
                 "ingest rate")
-        return _joined(found)
+        return joined(found)
 
     def count_episodes(self, length: int, tail: int, newest: int | None,
                        rng: np.random.Generator, probes: int = 4096) -> int:
@@ -220,6 +224,18 @@ class WindowFinder:
         picks = self.ring.read_episodes(lo + rng.integers(0, held, probes))
         return round(held * self._eligible(picks, length, tail) / probes)
 
+    def held_episodes(self, length: int, tail: int):
+        """The finished episodes of the index that are still held and have at least
+        ``length - tail`` steps, oldest first (``Episodes``); one read of the index range."""
+        lo, hi = self._episode_range(None)
+        held = self.ring.read_episodes(np.arange(lo, hi))
+        return held.take(held.length >= length - tail)
+
+    def no_episode_message(self, length: int, tail: int) -> str:
+        """Why no finished episode can give a window ``(length, tail)``."""
+        lo, hi = self._episode_range(None)
+        return self._no_episode_message(length, tail, hi - lo, lo, hi)
+
     def _episode_range(self, newest: int | None) -> tuple[int, int]:
         """``[lo, hi)``: the index entries a per-episode draw picks from."""
         hi = self.ring.episodes_logged()
@@ -231,7 +247,7 @@ class WindowFinder:
         starts = self._seek(picks, np.zeros(len(picks), np.int64))
         return len(self.valid(starts, length, tail))
 
-    def _episode_windows(self, rng, picks, length: int, tail: int, need: int) -> Windows:
+    def episode_windows(self, rng, picks, length: int, tail: int, need: int) -> Windows:
         """Windows at a uniform start in each eligible episode of ``picks``, in order."""
         picks = picks.take(picks.length >= length - tail)
         span = picks.length - (length - tail) + 1
@@ -256,7 +272,8 @@ class WindowFinder:
                 "ask for shorter windows")
 
 
-def _joined(found: list[Windows]) -> Windows:
+def joined(found: list[Windows]) -> Windows:
+    """The windows of ``found``, one after the other."""
     found = [w for w in found if len(w.rows)]
     if len(found) == 1:
         return found[0]

@@ -21,10 +21,10 @@ from ._handle import Shared
 from ._segment import Segment, column_views, generate_name, validate_name
 from ._wait import check_timeout, poll
 from .sampling import WindowFinder
+from .select import resolve
 from .writer import Writer
 
 _MAX_REDRAWS = 64
-_UNIFORM = ("steps", "episodes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,13 +146,15 @@ class Buffer(Shared):
     # -- sampling -------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
-                         uniform: str = "steps", newest: int | None = None) -> dict:
+                         uniform: str | None = None, newest: int | None = None,
+                         select=None) -> dict:
         """Draw ``batch_size`` windows of ``length`` consecutive steps, with replacement.
 
-        Start steps are uniform over every valid start: a window lies in one
-        writer stream and never continues past a terminal step (it may end on
-        one).  Rows recycled while they were copied are redrawn, so no torn or
-        overwritten step is ever returned.
+        Start steps are uniform over every valid start (or drawn as
+        ``select`` says): a window lies in one writer stream and never
+        continues past a terminal step (it may end on one).  Rows recycled
+        while they were copied are redrawn, so no torn or overwritten step is
+        ever returned.
 
         Args:
             batch_size: windows per batch, >= 1.
@@ -168,8 +170,9 @@ class Buffer(Shared):
                 stream: they may lie past a terminal step of the first
                 ``length - tail`` rows (next-frame targets; mask them with
                 ``done``).  Default 0.
-            uniform: ``"steps"`` (default): every valid start is equally
-                likely, so long episodes give more windows.  ``"episodes"``:
+            uniform: ``"steps"`` (the default unless ``select`` is given):
+                every valid start is equally likely, so long episodes give
+                more windows.  ``"episodes"``:
                 every finished episode (ended by a terminal step or
                 ``Writer.end_episode``) with at least ``length - tail``
                 steps is equally likely, and the start is uniform within it
@@ -177,6 +180,10 @@ class Buffer(Shared):
                 per window, not per episode held.
             newest: with ``uniform="episodes"``, draw only from the newest
                 ``newest`` finished episodes (in the order they ended).
+            select: a sampling regime of ``shmbuf.select`` (``Uniform()``,
+                ``Recency(...)``, ``AgeBuckets(...)``, ``Prioritized(...)``,
+                ``Mixture(...)``); with ``uniform`` too, the two must agree
+                (``Uniform()`` is ``"steps"``).  README, "Sampling regimes".
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
@@ -190,17 +197,15 @@ class Buffer(Shared):
             >>> batch["obs"].shape   # (50, 50, 3, 64, 64)
         """
         self._check_live()
-        batch_size, length, tail, newest = self._sample_args(batch_size, length, tail, uniform,
-                                                             newest)
+        batch_size, length, tail, sel = self._sample_args(batch_size, length, tail, uniform,
+                                                          newest, select)
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         targets = _prepare_out(out, self.spec, lead)
-        if uniform == "steps":
-            def draw(n):
-                return self._finder.draw(gen, n, length, tail)
-        else:
-            def draw(n):
-                return self._finder.draw_episodes(gen, n, length, tail, newest)
+
+        def draw(n):
+            return sel._draw(self._finder, gen, n, length, tail)
+
         windows = draw(batch_size)
         pending = np.arange(batch_size)
         for _ in range(_MAX_REDRAWS):
@@ -215,23 +220,21 @@ class Buffer(Shared):
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
             f"(capacity {self.capacity}) is too small for its ingest rate")
 
-    def _sample_args(self, batch_size, length, tail=0, uniform="steps", newest=None):
-        """The checked ``(batch_size, length, tail, newest)`` of a sample (also for
-        ``dataset`` and ``prefetch``, which must fail at the door like ``sample_*``)."""
+    def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
+        """The checked ``(batch_size, length, tail, selector)`` of a sample (also for
+        ``dataset`` and ``prefetch``, which must fail at the door like ``sample_*``);
+        the selector is what ``uniform``, ``newest`` and ``select`` mean together."""
         batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
         length = check_int("length", length, 1, self._layout.capacity)
         if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
                 0 <= tail < length):
             raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
                              f"got {tail!r}")
-        if uniform not in _UNIFORM:
-            raise ValueError(f"uniform must be one of {_UNIFORM}, got {uniform!r}")
         if newest is not None:
-            if uniform != "episodes":
-                raise ValueError("newest= applies to uniform='episodes' only; got "
-                                 f"uniform={uniform!r}")
             newest = check_int("newest", newest, 1)
-        return batch_size, length, int(tail), newest
+        sel = resolve(select, uniform, newest)
+        sel._check(self)
+        return batch_size, length, int(tail), sel
 
     def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None) -> dict:
         """Draw ``batch_size`` single steps uniformly, with replacement: ``{column: (batch, ...)}``.

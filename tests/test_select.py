@@ -1,0 +1,194 @@
+"""Sampling regimes (shmbuf.select): draws follow each selector's formula, bad input fails.
+
+Every test buffer holds interleaved streams of finished episodes whose steps
+record their global add number ``x`` (``helpers.select_workers.fill``), so
+the exact probability of every start is computable from the contents; the
+draws (fixed seeds) are compared with it by Pearson's chi-squared.  A draw
+on a start of probability 0 (a window across an episode end) fails the fit.
+"""
+import multiprocessing
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
+from helpers.select_workers import SPEC, draw_starts, fill
+from helpers.stats import chi2_pvalue
+
+LENGTH = 6
+P_MIN = 1e-3   # fixed seeds: a pass is reproducible, and a wrong formula fails far below this
+
+
+@pytest.fixture
+def filled(make_buffer):
+    buf = make_buffer(SPEC, 8192, chunk_size=64, seed=3)
+    return buf, fill(buf)
+
+
+def uniform_probs(c, length=LENGTH):
+    p = np.zeros(len(c.x))
+    p[c.valid_starts(length)] = 1.0
+    return p / p.sum()
+
+
+def age_bucket_probs(c, weights, length=LENGTH):
+    """The AgeBuckets formula written out: eligible episodes in end order, equal groups
+    (the newest take the extra), a group by weight, an episode and a start uniformly."""
+    eligible = [e for e in np.argsort(c.ep_end) if c.ep_len[e] >= length]
+    g = len(weights)
+    base, extra = divmod(len(eligible), g)
+    sizes = [base + (i >= g - extra) for i in range(g)]
+    w = np.array([wi if s else 0.0 for wi, s in zip(weights, sizes)], np.float64)
+    w /= w.sum()
+    p, at = np.zeros(len(c.x)), 0
+    for gi, size in enumerate(sizes):
+        for e in eligible[at:at + size]:
+            starts = c.x[(c.ep == e) & (c.o <= c.ep_len[e] - length)]
+            p[starts] = w[gi] / size / len(starts)
+        at += size
+    return p
+
+
+def fit(c, starts, probs) -> float:
+    return chi2_pvalue(np.bincount(starts, minlength=len(c.x)), probs)
+
+
+def test_uniform_is_uniform_steps(filled):
+    buf, c = filled
+    got = draw_starts(buf, Uniform(), 1, 200, 50, LENGTH)
+    assert fit(c, got, uniform_probs(c)) > P_MIN
+    # the same draws as uniform="steps" under the same seed
+    same = buf.sample_sequences(50, LENGTH, rng=9, uniform="steps")["x"]
+    assert (buf.sample_sequences(50, LENGTH, rng=9, select=Uniform())["x"] == same).all()
+
+
+@pytest.mark.parametrize("weights", [(1 / 8, 1 / 8, 1 / 4, 1 / 2), (0.1, 0.1, 0.1, 0.7), (3, 0, 1)])
+def test_age_buckets_follow_the_formula(filled, weights):
+    buf, c = filled
+    got = draw_starts(buf, AgeBuckets(weights), 2, 200, 50, LENGTH)
+    assert fit(c, got, age_bucket_probs(c, weights)) > P_MIN
+    assert fit(c, got, uniform_probs(c)) < P_MIN   # and the test can tell them apart
+
+
+def test_one_age_bucket_is_uniform_episodes(filled):
+    buf, c = filled
+    got = draw_starts(buf, AgeBuckets([1]), 4, 200, 50, LENGTH)
+    assert fit(c, got, age_bucket_probs(c, [1.0])) > P_MIN
+    batch = buf.sample_sequences(8, LENGTH, uniform="episodes", select=AgeBuckets([2.0]))
+    assert batch["x"].shape == (LENGTH, 8)
+
+
+def test_mixture_follows_its_fractions(filled):
+    buf, c = filled
+    ages = (0.0, 0.0, 0.0, 1.0)
+    mix = Mixture([(0.3, Uniform()), (0.7, AgeBuckets(ages))])
+    got = draw_starts(buf, mix, 5, 200, 50, LENGTH)
+    want = 0.3 * uniform_probs(c) + 0.7 * age_bucket_probs(c, ages)
+    assert fit(c, got, want) > P_MIN
+    assert fit(c, got, age_bucket_probs(c, ages)) < P_MIN
+
+
+def test_every_window_stays_in_one_episode(filled):
+    buf, _ = filled
+    for sel in (Uniform(), AgeBuckets([1, 2, 3]), Mixture([(0.5, Uniform()),
+                                                           (0.5, AgeBuckets([1, 1]))])):
+        b = buf.sample_sequences(64, LENGTH, select=sel, time_major=False, rng=0)
+        assert (b["ep"] == b["ep"][:, :1]).all()
+        assert (np.diff(b["o"], axis=1) == 1).all() and (np.diff(b["x"], axis=1) > 0).all()
+
+
+@pytest.mark.slow
+def test_draws_spread_over_processes_follow_the_formulas(filled):
+    """Spawned children attach by pickle and draw; together they follow each formula."""
+    buf, c = filled
+    ages = (1 / 8, 1 / 8, 1 / 4, 1 / 2)
+    cases = {"uniform": (Uniform(), uniform_probs(c)),
+             "ages": (AgeBuckets(ages), age_bucket_probs(c, ages)),
+             "mixture": (Mixture([(0.5, Uniform()), (0.5, AgeBuckets(ages))]),
+                         0.5 * uniform_probs(c) + 0.5 * age_bucket_probs(c, ages))}
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        try:
+            jobs = {k: [pool.apply_async(draw_starts, (buf, sel, 100 + i, 100, 50, LENGTH))
+                        for i in range(2)] for k, (sel, _) in cases.items()}
+            got = {k: np.concatenate([j.get(timeout=120) for j in js]) for k, js in jobs.items()}
+        finally:
+            pool.terminate()
+            pool.join()
+    for k, (_, probs) in cases.items():
+        assert fit(c, got[k], probs) > P_MIN, k
+
+
+@pytest.mark.slow
+def test_dataset_and_prefetch_take_select(filled):
+    buf, c = filled
+    mix = Mixture([(0.5, Uniform()), (0.5, AgeBuckets([1, 3]))])
+    item = next(iter(buf.dataset(16, LENGTH, select=mix, seed=1)))
+    assert tuple(item["x"].shape) == (LENGTH, 16)
+    assert np.isin(item["x"][0].numpy(), c.valid_starts(LENGTH)).all()
+    with buf.prefetch(16, LENGTH, device="cpu", select=AgeBuckets([1, 3]), rng=2) as batches:
+        x = next(batches)["x"]
+        assert np.isin(x[0].numpy(), c.valid_starts(LENGTH)).all()
+    with pytest.raises(ValueError, match="disagree"):
+        buf.dataset(16, LENGTH, select=AgeBuckets([1, 3]), uniform="steps")
+    with pytest.raises(ValueError, match="disagree"):
+        buf.prefetch(16, LENGTH, device="cpu", select=Recency(), uniform="episodes")
+
+
+# -- bad input ------------------------------------------------------------------------
+@pytest.mark.parametrize("make, err, words", [
+    (lambda: AgeBuckets([]), ValueError, "weights.*empty"),
+    (lambda: AgeBuckets([0.5, -0.1]), ValueError, r"weights\[1\].*>= 0.*-0.1"),
+    (lambda: AgeBuckets([0, 0]), ValueError, "not all be 0"),
+    (lambda: AgeBuckets([float("nan")]), ValueError, r"weights\[0\].*finite"),
+    (lambda: AgeBuckets(0.5), TypeError, "weights must be a sequence"),
+    (lambda: AgeBuckets(["a"]), TypeError, r"weights\[0\].*real number.*'a'"),
+    (lambda: Mixture([(0.5, Uniform()), (0.6, Recency())]), ValueError,
+     r"sum to 1.*\[0.5, 0.6\].*1.1"),
+    (lambda: Mixture([(-0.5, Uniform()), (1.5, Recency())]), ValueError,
+     r"components\[0\].*>= 0.*-0.5"),
+    (lambda: Mixture([]), ValueError, "non-empty"),
+    (lambda: Mixture([(1.0, "uniform")]), TypeError, r"components\[0\].*'uniform'.*expected"),
+    (lambda: Mixture([(1.0, Mixture([(1.0, Uniform())]))]), TypeError, "cannot nest"),
+    (lambda: Mixture([Uniform()]), TypeError, r"\(fraction, selector\) pair"),
+    (lambda: Recency(-1), ValueError, "exponent.*>= 0.*-1"),
+    (lambda: Recency(True), TypeError, "exponent.*real number"),
+    (lambda: Prioritized(exponent=float("inf")), ValueError, "exponent.*finite.*inf"),
+    (lambda: Prioritized(maxfrac=1.5), ValueError, "maxfrac.*between 0.0 and 1.0.*1.5"),
+])
+def test_bad_selectors_name_the_argument(make, err, words):
+    with pytest.raises(err, match=words):
+        make()
+
+
+def test_fractions_within_tolerance_are_accepted():
+    mix = Mixture([(0.1, Uniform()), (0.2, Recency()), (0.7 + 5e-7, AgeBuckets([1]))])
+    assert mix.fractions[2] == pytest.approx(0.7)
+    assert mix.selectors == (Uniform(), Recency(), AgeBuckets((1.0,)))
+
+
+def test_bad_select_arguments_fail_at_the_door(filled):
+    buf, _ = filled
+    before = buf.stats().samples
+    for kwargs, err, words in [
+            (dict(select="recency"), TypeError, "select must be a selector.*'recency'"),
+            (dict(select=Uniform(), uniform="episodes"), ValueError, "disagree"),
+            (dict(select=AgeBuckets([1, 2]), uniform="episodes"), ValueError, "disagree"),
+            (dict(select=Recency(), uniform="steps"), ValueError, "disagree"),
+            (dict(select=AgeBuckets([1]), newest=3), ValueError, "newest= applies"),
+            (dict(uniform="newest"), ValueError, "uniform must be one of"),
+            (dict(select=Prioritized()), ValueError, "priorities=True"),
+            (dict(select=Mixture([(0.5, Uniform()), (0.5, Prioritized())])), ValueError,
+             "priorities=True")]:
+        with pytest.raises(err, match=words):
+            buf.sample_sequences(4, LENGTH, **kwargs)
+        with pytest.raises(err, match=words):
+            buf.dataset(4, LENGTH, **kwargs)
+    assert buf.stats().samples == before
+
+
+def test_age_buckets_say_when_no_episode_is_long_enough(filled):
+    buf, c = filled
+    with pytest.raises(shmbuf.NotEnoughDataError, match="finished episode"):
+        buf.sample_sequences(4, int(c.ep_len.max()) + 1, select=AgeBuckets([1, 1]))
