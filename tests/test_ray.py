@@ -40,6 +40,7 @@ assert not ray_constants.ENABLE_RAY_CLUSTER, (
 
 import shmbuf  # noqa: E402
 import shmbuf.ray as sray  # noqa: E402
+from shmbuf.select import AgeBuckets, Mixture, Recency, Uniform  # noqa: E402
 
 pytestmark = pytest.mark.slow
 T = 60                      # seconds: the bound on every ray.get in these tests
@@ -376,6 +377,21 @@ def test_episode_draws_are_uniform_over_the_episodes_of_all_shards(cluster, rb):
         rb.sample_sequences(8, 10, uniform="episode")
     with pytest.raises(ValueError, match="newest=None only"):
         rb.prefetch(8, 10, device="cpu", uniform="episodes", newest=3)
+    # A Mixture is split by fraction, then each part over the shards by its own weights.
+    mix = Mixture([(0.5, Uniform()), (0.5, AgeBuckets([1]))])
+    share = np.mean([np.mean(rb.sample_sequences(256, 10, select=mix, rng=gen)["wid"][0] == 0)
+                     for _ in range(20)])
+    p = 0.5 * 330 / 822 + 0.5 * 30 / 42
+    assert abs(share - p) < 6 * np.sqrt(p * (1 - p) / (20 * 256)), (share, p)
+    with rb.prefetch(32, 10, device="cpu", rng=1, select=mix) as it:
+        check_windows({k: v.numpy() for k, v in next(it).items()}, 10)
+    with pytest.raises(ValueError, match="cannot sample select=Recency.*own shard's publish"):
+        rb.sample_sequences(8, 10, select=Recency())
+    with pytest.raises(ValueError, match="cannot sample select=AgeBuckets.*no global oldest"):
+        rb.prefetch(8, 10, device="cpu", select=Mixture([(0.5, Uniform()),
+                                                         (0.5, AgeBuckets([1, 3]))]))
+    with pytest.raises(ValueError, match="disagree"):
+        rb.sample_sequences(8, 10, select=Uniform(), uniform="episodes")
 
 
 def test_shipping_is_bounded_in_flight(cluster, rb):

@@ -10,7 +10,8 @@ import ray
 
 import shmbuf
 from shmbuf.ray import _sampler
-from shmbuf.ray._count import MODES
+from shmbuf.ray._count import MODES, modes
+from shmbuf.select import resolve
 from shmbuf.ray._errors import ShardLostError, is_loss
 from shmbuf.ray._placement import ShardEntry, actor_name, alive_nodes, make_entry, start_shards
 from shmbuf.ray._shard import META_KEY, node_id
@@ -185,11 +186,13 @@ class ShardedBuffer:
     # -- sampling ---------------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
-                         uniform: str = "steps", newest: int | None = None) -> dict:
+                         uniform: str | None = None, newest: int | None = None,
+                         select=None) -> dict:
         """``batch_size`` windows uniform over all valid windows (or episodes) of all shards.
 
         Each shard's share is drawn multinomially in proportion to its valid
-        starts (its eligible finished episodes with ``uniform="episodes"``);
+        starts (its eligible finished episodes with ``uniform="episodes"``,
+        its total score with ``select=Prioritized(...)``);
         this node's shard is read from shared memory, the others sample on
         their nodes and send one batch each.  Windows are grouped by shard
         along the batch axis (shuffle before slicing the batch).
@@ -200,13 +203,20 @@ class ShardedBuffer:
                 tensors of the batch's shapes.
             rng: a ``np.random.Generator`` or seed for the split and the
                 shards' draws; default this handle's generator (``seed=``).
-            uniform: ``"steps"`` (default): every valid start of every
-                shard is equally likely.  ``"episodes"``: every finished
+            uniform: ``"steps"`` (the default unless ``select`` is given):
+                every valid start of every shard is equally likely.  ``"episodes"``: every finished
                 episode of every shard that is still held and has at least
                 ``length - tail`` steps is equally likely, the start uniform
                 within it (as ``shmbuf.Buffer.sample_sequences``).
             newest: None only: each shard numbers its episodes in its own
                 index, so "the newest K episodes" has no meaning across shards.
+            select: ``Uniform()``, ``Prioritized(...)``, ``AgeBuckets`` with
+                one weight (``uniform="episodes"``) or a ``Mixture`` of them
+                (``shmbuf.select``), drawn globally: a Mixture's windows are
+                split by its fractions, then each component's over the shards
+                by that component's weights.  ``Recency`` and ``AgeBuckets``
+                with several groups are refused: the shards have no common
+                publish order or episode order.
 
         Returns:
             ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major),
@@ -216,23 +226,26 @@ class ShardedBuffer:
             NotEnoughDataError: no shard holds a valid window (or an eligible
                 finished episode) yet.
             ShardLostError: every shard is gone.
-            ValueError: a bad argument, ``newest`` included.
+            ValueError: a bad argument, ``newest`` or a regime with no global
+                meaning included.
 
         Example:
             >>> batch = rb.sample_sequences(50, 50)
             >>> per_episode = rb.sample_sequences(50, 50, uniform="episodes")
         """
         self._check_open()
-        batch_size, length, tail, _ = self._sample_args(batch_size, length, tail, uniform, newest)
+        batch_size, length, tail, mix = self._sample_args(batch_size, length, tail, uniform,
+                                                          newest, select)
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         arrays = _out_arrays(out, self._spec, lead)
-        p = _sampler.plan(self, batch_size, length, tail, time_major, gen, uniform=uniform)
+        p = _sampler.plan(self, batch_size, length, tail, time_major, gen, mix=mix)
         _sampler.finish(self, p, arrays, gen, self.timing)
         return arrays if out is None else out
 
-    def _sample_args(self, batch_size, length, tail=0, uniform="steps", newest=None):
-        """Checked ``(batch_size, length, tail, newest)`` (``shmbuf.prefetch`` calls it too)."""
+    def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
+        """Checked ``(batch_size, length, tail, mix)``, ``mix`` the ``(fraction, mode)``
+        pairs of ``_count.modes`` (``shmbuf.prefetch`` calls it too)."""
         for arg, v, lo in (("batch_size", batch_size, 1), ("length", length, 1),
                            ("tail", tail, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
@@ -240,13 +253,14 @@ class ShardedBuffer:
         if length > self._capacity or tail >= length:
             raise ValueError(f"need tail < length <= capacity_per_shard ({self._capacity}), "
                              f"got length {length}, tail {tail}")
-        if not isinstance(uniform, str) or uniform not in MODES:
+        if uniform is not None and (not isinstance(uniform, str) or uniform not in MODES):
             raise ValueError(f"uniform must be one of {MODES}, got {uniform!r}")
         if newest is not None:
             raise ValueError(f"a sharded buffer takes newest=None only, got newest={newest!r}: "
                              "each shard numbers its episodes in its own index, so there is "
                              "no global order of the newest episodes across shards")
-        return int(batch_size), int(length), int(tail), None
+        mix = modes(resolve(select, uniform, None))
+        return int(batch_size), int(length), int(tail), mix
 
     def prefetch(self, batch_size: int, length: int, *, depth: int = 2, device=None,
                  pin_memory: bool | None = None, rng=None, **sample_kwargs):
@@ -264,8 +278,8 @@ class ShardedBuffer:
             device: ``"cpu"`` or ``"cuda[:N]"``; default CUDA when available.
             rng: seed or generator of the thread's draws (default: one drawn
                 from this handle's generator).
-            **sample_kwargs: ``time_major``, ``tail``, ``uniform`` (as
-                ``sample_sequences``).
+            **sample_kwargs: ``time_major``, ``tail``, ``uniform``, ``select``
+                (as ``sample_sequences``).
 
         Example:
             >>> with rb.prefetch(50, 50, depth=2, device="cuda") as batches:

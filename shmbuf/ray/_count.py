@@ -20,6 +20,11 @@ episodes instead (held, at least ``length - tail`` steps), counted the same
 way over its episode index (``Buffer.count_episodes``: exact up to
 ``PROBES`` entries, else ``PROBES`` uniform picks, with the same error).
 
+For ``select=Prioritized(...)`` the weight is the shard's total score, the
+sum of the scores of its windows that could start now
+(``shmbuf._prioritized.total``), so that each window of every shard is
+drawn in proportion to its score.
+
 The counts themselves are the core's ``Buffer.count_valid_starts`` and
 ``Buffer.count_episodes``; this module holds the sharding's choice of
 ``PROBES`` and why it is enough.
@@ -28,14 +33,56 @@ from __future__ import annotations
 
 import numpy as np
 
+from shmbuf.select import Prioritized
+
 PROBES = 4096
 MODES = ("steps", "episodes")   # the values of uniform= a sharded buffer takes
 
 
-def weight(buf, length: int, tail: int, uniform: str, rng: np.random.Generator) -> int:
-    """``buf``'s weight in a global batch drawn with ``uniform``: its valid starts of
-    windows ``(length, tail)`` (``"steps"``) or its eligible finished episodes
-    (``"episodes"``), now (see the module doc)."""
-    if uniform == "episodes":
+def weight(buf, length: int, tail: int, mode, rng: np.random.Generator) -> float:
+    """``buf``'s weight in a global batch drawn with ``mode``: its valid starts of
+    windows ``(length, tail)`` (``"steps"``), its eligible finished episodes
+    (``"episodes"``) or its total score (a ``Prioritized``), now (see the module doc)."""
+    if isinstance(mode, Prioritized):
+        from shmbuf import _prioritized
+
+        return float(_prioritized.total(buf, length, tail, mode.exponent, mode.maxfrac, rng))
+    if mode == "episodes":
         return buf.count_episodes(length, tail, rng=rng, probes=PROBES)
     return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)
+
+
+def modes(sel) -> tuple:
+    """The ``(fraction, mode)`` pairs of a resolved selector (``shmbuf.select.resolve``):
+    what a sharded buffer samples, each mode weighed by ``weight``.
+
+    Raises:
+        ValueError: a regime that has no global meaning across shards.
+    """
+    from shmbuf.select import AgeBuckets, Mixture, Recency, Uniform, _PerEpisode
+
+    if isinstance(sel, Mixture):
+        return tuple((f, modes(s)[0][1]) for f, s in sel.components if f > 0)
+    if isinstance(sel, Uniform) or (isinstance(sel, Recency) and sel.exponent == 0):
+        return ((1.0, "steps"),)
+    if isinstance(sel, _PerEpisode) or (isinstance(sel, AgeBuckets) and len(sel.weights) == 1):
+        return ((1.0, "episodes"),)
+    if isinstance(sel, Prioritized):
+        return ((1.0, sel),)
+    if isinstance(sel, Recency):
+        raise ValueError(f"a sharded buffer cannot sample select={sel!r}: a window's age "
+                         "counts the steps published after it in its own shard's publish "
+                         "order; the shards' clocks are independent, so there is no global "
+                         "order to weigh ages by. Sample Uniform(), Prioritized() or their "
+                         "mixtures, or one node's shard buffer with Recency")
+    raise ValueError(f"a sharded buffer cannot sample select={sel!r}: each shard orders only "
+                     "its own finished episodes, so there is no global oldest-first order to "
+                     "cut into age groups. Sample Uniform(), Prioritized(), "
+                     "uniform='episodes' (AgeBuckets with one weight) or their mixtures")
+
+
+def sample_kwargs(mode) -> dict:
+    """``Buffer.sample_sequences``' arguments that draw ``mode`` in one shard."""
+    if isinstance(mode, Prioritized):
+        return {"select": mode}
+    return {"uniform": mode}

@@ -7,7 +7,10 @@ batch is uniform over all valid windows of all shards, and no window spans
 two shards (each is drawn inside one shard's buffer).  With
 ``uniform="episodes"`` the weights are the shards' eligible finished
 episodes and each shard draws per episode, so every eligible episode of
-every shard is equally likely.
+every shard is equally likely.  With ``Prioritized`` the weights are the
+shards' total scores.  A ``Mixture`` is split by its fractions first, then
+each component over the shards by that component's weights
+(``_count.modes``); a shard draws each of its parts with that component.
 
 ``plan`` makes the split and sends the remote requests at once; ``finish``
 samples the local share (zero-copy from this node's shard), waits for the
@@ -19,8 +22,8 @@ A remote shard's count comes back with each reply it sends; a count older
 than ``COUNT_MAX_AGE_S`` is refreshed by a call that is not waited for.  A
 split may thus use counts up to one batch (or one second) old: writers only
 add windows, so this under-weights the freshest few steps of a shard.
-Counts are kept per ``(length, tail, uniform)``: a step count is not an
-episode count.
+Counts are kept per ``(length, tail, mode)``: a step count is not an
+episode count, nor a score.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import numpy as np
 import ray
 
 from shmbuf import NotEnoughDataError
-from shmbuf.ray._count import weight
+from shmbuf.ray._count import sample_kwargs, weight
 from shmbuf.ray._errors import ShardLostError, is_loss
 
 if TYPE_CHECKING:
@@ -48,6 +51,7 @@ class Part:
     shard: ShardEntry
     n: int
     ref: ray.ObjectRef | None = None   # the remote reply; None for the local shard
+    mode: object = "steps"             # "steps", "episodes" or a Prioritized (_count.modes)
 
 
 @dataclasses.dataclass
@@ -57,16 +61,14 @@ class Plan:
     tail: int
     time_major: bool
     parts: list
-    uniform: str = "steps"
 
-    @property
-    def what(self) -> tuple:
-        """The key of this plan's counts: ``(length, tail, uniform)``."""
-        return (self.length, self.tail, self.uniform)
+    def what(self, part: Part) -> tuple:
+        """The key of a part's counts: ``(length, tail, mode)``."""
+        return (self.length, self.tail, part.mode)
 
 
 class Counts:
-    """The latest count of each remote shard, per ``what = (length, tail, uniform)``."""
+    """The latest count of each remote shard, per ``what = (length, tail, mode)``."""
 
     def __init__(self):
         self._known: dict = {}       # (node, *what) -> (count, monotonic time)
@@ -74,9 +76,9 @@ class Counts:
         self._lock = threading.Lock()   # a prefetch thread and the caller may both sample
 
     def put(self, node: str, what: tuple, count: int) -> None:
-        self._known[(node,) + what] = (int(count), time.monotonic())
+        self._known[(node,) + what] = (float(count), time.monotonic())
 
-    def get(self, shards, what: tuple, timeout: float, lost) -> list[int]:
+    def get(self, shards, what: tuple, timeout: float, lost) -> list[float]:
         """One count per shard: cached, refreshed in the background when old.
 
         Shards never counted are asked and waited for (once, in parallel).
@@ -127,13 +129,29 @@ class Counts:
 
 
 def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
-         rng: np.random.Generator, exclude=(), uniform: str = "steps") -> Plan:
-    """Split a batch over the live shards and send the remote requests."""
+         rng: np.random.Generator, exclude=(), mix: tuple = ((1.0, "steps"),)) -> Plan:
+    """Split a batch over the modes of ``mix`` (``_count.modes``), each over the live
+    shards, and send the remote requests."""
     shards = [s for s in rb._live() if s.node_id not in exclude]
     if not shards:
         raise ShardLostError(f"{rb!r} has no live shard left to sample from")
+    if len(mix) == 1:
+        per_mode = [batch_size]
+    else:
+        fractions = np.array([f for f, _ in mix])
+        per_mode = rng.multinomial(batch_size, fractions / fractions.sum())
+    parts = []
+    for (_, mode), n in zip(mix, per_mode):
+        if n:
+            parts += _split(rb, shards, int(n), length, tail, time_major, rng, mode)
+    return Plan(batch_size, length, tail, time_major, parts)
+
+
+def _split(rb, shards, batch_size: int, length: int, tail: int, time_major: bool, rng,
+           mode) -> list:
+    """``batch_size`` windows of ``mode`` split over ``shards`` by their weights."""
     local = rb._local_shard()
-    what = (length, tail, uniform)
+    what = (length, tail, mode)
     counts = np.zeros(len(shards), np.float64)
     remote = [i for i, s in enumerate(shards) if s is not local]
     if remote:
@@ -141,13 +159,14 @@ def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
         counts[remote] = got
     for i, s in enumerate(shards):
         if s is local and rb._local_alive(s):
-            counts[i] = weight(rb._attached(s), length, tail, uniform, rng)
+            counts[i] = weight(rb._attached(s), length, tail, mode, rng)
         elif s is local or not rb._is_live(s):
             counts[i] = 0
     total = counts.sum()
     if total <= 0:
-        held = ("a valid window" if uniform == "steps" else
-                f"a finished episode of at least {length - tail} steps")
+        held = ("a valid window" if mode == "steps" else
+                f"a finished episode of at least {length - tail} steps" if mode == "episodes"
+                else f"a window with a score above 0 under {mode!r}")
         raise NotEnoughDataError(
             f"no shard of {rb!r} holds {held} (windows of length {length}, tail {tail}) "
             f"yet: {len(shards)} live shards; wait for the writers (rb.wait_ready) or ask "
@@ -160,9 +179,9 @@ def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
         ref = None
         if s is not local:
             seed = int(rng.integers(1 << 63))
-            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed, uniform)
-        parts.append(Part(s, int(n), ref))
-    return Plan(batch_size, length, tail, time_major, parts, uniform)
+            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed, mode)
+        parts.append(Part(s, int(n), ref, mode))
+    return parts
 
 
 def finish(rb, p: Plan, out: dict, rng: np.random.Generator, timing: dict) -> dict:
@@ -190,7 +209,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
         reply = ray.get(part.ref, timeout=rb._timeout)
     except Exception as exc:
         if isinstance(exc, NotEnoughDataError):     # the count was stale: no window now
-            rb._counts.put(part.shard.node_id, p.what, 0)
+            rb._counts.put(part.shard.node_id, p.what(part), 0)
         elif is_loss(exc):
             rb._lost(part.shard, exc)
         else:
@@ -198,7 +217,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
         _redo(rb, p, part, dest, rng, timing, exclude + (part.shard.node_id,))
         return
     t1 = time.perf_counter()
-    rb._counts.put(part.shard.node_id, p.what, reply.pop(_VALID))
+    rb._counts.put(part.shard.node_id, p.what(part), reply.pop(_VALID))
     timing["remote_sample_s"] += reply.pop(_SAMPLE_S)
     for k, v in reply.items():
         np.copyto(dest[k], v)
@@ -211,7 +230,7 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
 
 def _redo(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude: tuple) -> None:
     """Draw a failed part's windows again from the other shards."""
-    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude, p.uniform)
+    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude, ((1.0, part.mode),))
     offset = 0
     for q in sorted(sub.parts, key=lambda q: q.ref is not None):
         _fill(rb, sub, q, _slices(dest, offset, q.n, p.time_major), rng, timing, exclude)
@@ -223,10 +242,10 @@ def _sample_local(rb, p: Plan, part: Part, dest: dict, rng) -> None:
     seed = int(rng.integers(1 << 63))
     if all(a.flags.c_contiguous for a in dest.values()):
         buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                             out=dest, rng=seed, uniform=p.uniform)
+                             out=dest, rng=seed, **sample_kwargs(part.mode))
         return
     batch = buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                                 rng=seed, uniform=p.uniform)
+                                 rng=seed, **sample_kwargs(part.mode))
     for k, v in batch.items():
         np.copyto(dest[k], v)
 

@@ -26,7 +26,7 @@ import numpy as np
 import ray
 
 import shmbuf
-from shmbuf.ray._count import weight
+from shmbuf.ray._count import sample_kwargs, weight
 
 log = logging.getLogger("shmbuf.ray")
 
@@ -132,11 +132,12 @@ class Shard:
     # -- sampling -----------------------------------------------------------------------
     @ray.method(concurrency_group=SAMPLE)
     def sample(self, n: int, length: int, tail: int, time_major: bool, seed: int,
-               uniform: str = "steps") -> dict:
+               mode="steps") -> dict:
         """``n`` windows drawn here, as one contiguous batch, plus this shard's fresh count.
 
-        ``uniform`` is ``sample_sequences``'s (``"steps"`` or ``"episodes"``);
-        the count is the weight of that mode (``_count.weight``).
+        ``mode`` is ``"steps"``, ``"episodes"`` (``sample_sequences``' ``uniform``)
+        or a ``Prioritized`` selector; the count is the weight of that mode
+        (``_count.weight``).
 
         The reply is ``{col: array, "__valid__": int, "__sample_s__": float}`` (the
         count, and the seconds this call took here); the arrays travel
@@ -145,19 +146,20 @@ class Shard:
         self._check_open()
         t0 = time.perf_counter()
         batch = self._buf.sample_sequences(n, length, tail=tail, time_major=time_major,
-                                           rng=seed, uniform=uniform)
+                                           rng=seed, **sample_kwargs(mode))
         self._received["samples"] += 1
         self._received["sampled_windows"] += n
-        batch["__valid__"] = weight(self._buf, length, tail, uniform, self._rng)
+        batch["__valid__"] = weight(self._buf, length, tail, mode, self._rng)
         batch["__sample_s__"] = time.perf_counter() - t0
         return batch
 
     @ray.method(concurrency_group=SAMPLE)
-    def count(self, length: int, tail: int, uniform: str = "steps") -> int:
-        """This shard's weight now: valid window starts, or eligible finished episodes
-        for ``uniform="episodes"`` (exact when small, else estimated)."""
+    def count(self, length: int, tail: int, mode="steps") -> float:
+        """This shard's weight now: valid window starts, eligible finished episodes
+        (``"episodes"``) or its total score (a ``Prioritized``); exact when small,
+        else estimated."""
         self._check_open()
-        return weight(self._buf, length, tail, uniform, self._rng)
+        return weight(self._buf, length, tail, mode, self._rng)
 
     # -- counters and lifecycle -----------------------------------------------------------
     def stats(self) -> dict:
