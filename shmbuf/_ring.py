@@ -469,6 +469,19 @@ class Ring:
                       table[order, _STREAM].astype(np.int64), self.chunk_base[order],
                       table[order, _TICKET].astype(np.int64))
 
+    def chunk_snapshot(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """``(seq, committed count)`` of every chunk, then the clock: in that order.
+
+        States before counts (acquire), as ``live_chunks``; the clock after
+        the counts (acquire), so every counted row's ``_t`` lies below it.
+        Recency sampling reads chunks this way.
+        """
+        seq = (self.chunk_table[:, _STATE] >> np.uint64(32)).astype(np.int64)
+        atomic.fence_acquire()
+        counts = np.clip(self.count.view(np.int64), 0, self.chunk_rows)
+        atomic.fence_acquire()
+        return seq, counts, self.clock()
+
     def final_chunks(self) -> Chunks:
         """Live chunks that no writer will add to any more, oldest claim first.
 

@@ -86,20 +86,21 @@ def join_all(procs) -> None:
     assert [p.exitcode for p in procs] == [0] * len(procs)
 
 
-def sample_and_verify(buf, rounds: int, batch_size: int, lengths, seed: int):
+def sample_and_verify(buf, rounds: int, batch_size: int, lengths, seed: int, select=None):
     """Sample ``rounds`` batches, verify every window; return (windows, stream ids seen)."""
     rng = np.random.default_rng(seed)
     verified, seen = 0, set()
     for i in range(rounds):
         length = lengths[i % len(lengths)]
         time_major = bool(i % 2)
-        batch = buf.sample_sequences(batch_size, length, time_major=time_major, rng=rng)
+        batch = buf.sample_sequences(batch_size, length, time_major=time_major, rng=rng,
+                                     select=select)
         verified += verify_batch(batch, time_major=time_major)
         seen.update(np.unique(batch["action"][..., 0]).astype(int).tolist())
     return verified, seen
 
 
-def run_writers_while_sampling(ctx, buf, n_writers=3, rounds=150):
+def run_writers_while_sampling(ctx, buf, n_writers=3, rounds=150, select=None):
     ids = list(range(1, n_writers + 1))
     # Episodes of 43+ steps: whichever writer the scheduler favours, the buffer
     # always holds a whole episode of someone, so a window of 20 always exists.
@@ -107,9 +108,10 @@ def run_writers_while_sampling(ctx, buf, n_writers=3, rounds=150):
             for i in ids]
     with Children(ctx, jobs) as children:
         children.wait_ready()
-        verified, seen = sample_and_verify(buf, rounds, 32, (8, 13, 20), seed=n_writers)
+        verified, seen = sample_and_verify(buf, rounds, 32, (8, 13, 20), seed=n_writers,
+                                           select=select)
         children.stop_and_join()
-    verified += sample_and_verify(buf, 10, 64, (8, 20), seed=0)[0]
+    verified += sample_and_verify(buf, 10, 64, (8, 20), seed=0, select=select)[0]
     assert verified > 0
     assert seen <= set(ids)
     stats = buf.stats()
@@ -121,6 +123,16 @@ def run_writers_while_sampling(ctx, buf, n_writers=3, rounds=150):
 def test_writers_and_sampler_concurrently(make_buffer, method):
     buf = make_buffer(SPEC, 600, chunk_size=4)
     run_writers_while_sampling(multiprocessing.get_context(method), buf)
+
+
+def test_writers_and_selectors_concurrently(make_buffer):
+    """Recency, AgeBuckets and a Mixture keep every window intact while writers recycle."""
+    from shmbuf.select import AgeBuckets, Mixture, Recency, Uniform
+
+    buf = make_buffer(SPEC, 3000, chunk_size=64)
+    mix = Mixture([(0.4, Recency(1.0)), (0.3, AgeBuckets([1, 1, 2, 4])), (0.3, Uniform())])
+    run_writers_while_sampling(multiprocessing.get_context("spawn"), buf, rounds=100,
+                               select=mix)
 
 
 def test_writers_and_sampler_with_multiprocess_package(make_buffer):

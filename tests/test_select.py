@@ -50,6 +50,15 @@ def age_bucket_probs(c, weights, length=LENGTH):
     return p
 
 
+def recency_probs(c, exponent, length=LENGTH):
+    """(1 + age) ** -exponent over the valid starts; one process added every step, so a
+    step's publish number is its x and its age is (steps written - 1 - x)."""
+    p = np.zeros(len(c.x))
+    v = c.valid_starts(length)
+    p[v] = (1.0 + (len(c.x) - 1 - v)) ** -exponent
+    return p / p.sum()
+
+
 def fit(c, starts, probs) -> float:
     return chi2_pvalue(np.bincount(starts, minlength=len(c.x)), probs)
 
@@ -89,10 +98,54 @@ def test_mixture_follows_its_fractions(filled):
     assert fit(c, got, age_bucket_probs(c, ages)) < P_MIN
 
 
+@pytest.mark.parametrize("exponent", [1.0, 0.5, 2.0])
+def test_recency_follows_the_formula(filled, exponent):
+    buf, c = filled
+    got = draw_starts(buf, Recency(exponent), 6, 200, 50, LENGTH)
+    assert fit(c, got, recency_probs(c, exponent)) > P_MIN
+    assert fit(c, got, uniform_probs(c)) < P_MIN
+
+
+def test_recency_zero_is_uniform(filled):
+    buf, c = filled
+    assert fit(c, draw_starts(buf, Recency(0.0), 7, 200, 50, LENGTH), uniform_probs(c)) > P_MIN
+
+
+@pytest.mark.parametrize("n_envs, exponent, length", [(8, 1.0, 12), (3, 2.0, 40)])
+def test_recency_over_interleaved_streams_after_recycling(make_buffer, n_envs, exponent,
+                                                          length):
+    """add_batch numbers env e's step i as i * n_envs + e; once chunks were recycled the
+    draw still follows the formula over the starts held now."""
+    buf = make_buffer(SPEC, 2048, chunk_size=32)
+    with buf.writer() as w:
+        for i in range(700):
+            x = i * n_envs + np.arange(n_envs)
+            w.add_batch(x=x, ep=np.zeros(n_envs, np.int64), o=np.zeros(n_envs, np.int64),
+                        done=np.zeros(n_envs, bool))
+    assert buf.stats().oldest_step > 0, "chunks should have been recycled"
+    held = np.zeros(700 * n_envs, bool)
+    held[buf.arrays["x"][buf.committed_rows()]] = True
+    x = np.arange(len(held))
+    # a start is valid when its stream holds it and the next length - 1 steps
+    ahead = x + (length - 1) * n_envs
+    valid = held & (ahead < len(held)) & held[np.minimum(ahead, len(held) - 1)]
+    probs = np.where(valid, (1.0 + (len(held) - 1 - x)) ** -exponent, 0.0)
+    got = draw_starts(buf, Recency(exponent), 8, 200, 50, length)
+    assert chi2_pvalue(np.bincount(got, minlength=len(x))[::-1], probs[::-1]) > P_MIN
+
+
+def test_mixture_with_recency(filled):
+    buf, c = filled
+    mix = Mixture([(0.25, AgeBuckets([0, 1])), (0.75, Recency(1.0))])
+    got = draw_starts(buf, mix, 9, 200, 50, LENGTH)
+    want = 0.25 * age_bucket_probs(c, [0, 1]) + 0.75 * recency_probs(c, 1.0)
+    assert fit(c, got, want) > P_MIN
+
+
 def test_every_window_stays_in_one_episode(filled):
     buf, _ = filled
-    for sel in (Uniform(), AgeBuckets([1, 2, 3]), Mixture([(0.5, Uniform()),
-                                                           (0.5, AgeBuckets([1, 1]))])):
+    for sel in (Uniform(), AgeBuckets([1, 2, 3]), Recency(3.0),
+                Mixture([(0.5, Recency()), (0.5, AgeBuckets([1, 1]))])):
         b = buf.sample_sequences(64, LENGTH, select=sel, time_major=False, rng=0)
         assert (b["ep"] == b["ep"][:, :1]).all()
         assert (np.diff(b["o"], axis=1) == 1).all() and (np.diff(b["x"], axis=1) > 0).all()
@@ -105,8 +158,10 @@ def test_draws_spread_over_processes_follow_the_formulas(filled):
     ages = (1 / 8, 1 / 8, 1 / 4, 1 / 2)
     cases = {"uniform": (Uniform(), uniform_probs(c)),
              "ages": (AgeBuckets(ages), age_bucket_probs(c, ages)),
-             "mixture": (Mixture([(0.5, Uniform()), (0.5, AgeBuckets(ages))]),
-                         0.5 * uniform_probs(c) + 0.5 * age_bucket_probs(c, ages))}
+             "recency": (Recency(1.0), recency_probs(c, 1.0)),
+             "mixture": (Mixture([(0.5, Uniform()), (0.3, AgeBuckets(ages)), (0.2, Recency())]),
+                         0.5 * uniform_probs(c) + 0.3 * age_bucket_probs(c, ages)
+                         + 0.2 * recency_probs(c, 1.0))}
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(2) as pool:
         try:
