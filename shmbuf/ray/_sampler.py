@@ -135,11 +135,9 @@ def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
     shards = [s for s in rb._live() if s.node_id not in exclude]
     if not shards:
         raise ShardLostError(f"{rb!r} has no live shard left to sample from")
-    if len(mix) == 1:
-        per_mode = [batch_size]
-    else:
-        fractions = np.array([f for f, _ in mix])
-        per_mode = rng.multinomial(batch_size, fractions / fractions.sum())
+    fractions = np.array([f for f, _ in mix])
+    per_mode = ([batch_size] if len(mix) == 1
+                else rng.multinomial(batch_size, fractions / fractions.sum()).tolist())
     parts = []
     for (_, mode), n in zip(mix, per_mode):
         if n:
