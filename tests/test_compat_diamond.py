@@ -550,3 +550,37 @@ def test_seeded_buffers_draw_the_same(make_rb):
     assert torch.equal(a.sample(64)["rewards"], b.sample(64)["rewards"])
     assert torch.equal(a.sample_sequence(16, 3, burn_in=1)["rewards"],
                        b.sample_sequence(16, 3, burn_in=1)["rewards"])
+
+
+# -- age_weights: DIAMOND's episode weighting by age ---------------------------------------
+def test_age_weights_draw_episodes_by_age_group(make_rb):
+    from helpers.stats import chi2_pvalue
+
+    weights = (0.1, 0.1, 0.1, 0.7)
+    rb = make_rb(500, age_weights=weights)
+    add_steps(rb, 3, 8 * 11, length=11)                  # 8 finished episodes of 11 steps
+    assert rb.age_weights == weights
+    twin = ReplayBuffer.attach(rb.name)
+    assert twin.age_weights == weights
+    twin.close()
+    counts = np.zeros(8)
+    for _ in range(10):
+        episode = rb.sample_sequence(256, 5)["actions"][:, 0, 1].floor().long()
+        counts += np.bincount(episode.numpy(), minlength=8)
+    # 8 episodes in 4 groups of 2: an episode of group g has weights[g] / 2
+    assert chi2_pvalue(counts, np.repeat(weights, 2) / 2) > 1e-3
+    newest = make_rb(500, age_weights=(0, 0, 0, 1))
+    add_steps(newest, 3, 8 * 11, length=11)
+    items = SequenceDataset(newest, sequence_length=3, burn_in=2)
+    assert {int(items[i]["action_seq"][0, 1]) for i in range(40)} <= {6, 7}
+    assert rb.sample(8)["obs"].shape[0] == 8             # single transitions stay uniform
+
+
+@pytest.mark.parametrize("age_weights, err, words", [
+    ([], ValueError, r"age_weights=\[\].*empty"),
+    ([1, float("nan")], ValueError, r"age_weights=.*weights\[1\].*finite"),
+    (3, TypeError, "age_weights=3"),
+])
+def test_bad_age_weights_are_refused_by_name(age_weights, err, words):
+    with pytest.raises(err, match=words):
+        ReplayBuffer(100, obs_shape=OBS_SHAPE, action_dim=A, age_weights=age_weights)

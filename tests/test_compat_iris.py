@@ -471,3 +471,40 @@ def test_attach_by_name_from_another_process():
         steps = stream.steps + [(9, p, 0, p == 5) for p in range(6)]
         starts = check_sequences(rb.sample_sequence(), steps)
         assert (9, 1) in starts   # the child's episode, its terminal frame last
+
+
+# -- age_weights: IRIS's episode weighting by age ----------------------------------------
+def test_age_weights_draw_episodes_by_age_group():
+    from helpers.stats import chi2_pvalue
+
+    weights = (1 / 8, 1 / 8, 1 / 4, 1 / 2)
+    with IRISReplayBuffer(2000, OBS, 6, seq_len=4, batch_size=256, age_weights=weights,
+                          seed=0) as rb:
+        Stream(1).episodes(rb, [12] * 8, tail=3)
+        assert rb.age_weights == weights
+        assert IRISReplayBuffer.attach(rb.name).age_weights == weights   # in the metadata
+        counts = np.zeros(8)
+        for _ in range(20):
+            batch = rb.sample_sequence()
+            counts += np.bincount(batch[1][:, 0, 1].astype(int), minlength=8)
+        # 8 episodes in 4 groups of 2: an episode of group g has weights[g] / 2
+        assert chi2_pvalue(counts, np.repeat(weights, 2) / 2) > 1e-3
+    with IRISReplayBuffer(2000, OBS, 6, seq_len=4, batch_size=64, age_weights=(0, 0, 0, 1),
+                          seed=1) as rb:
+        steps = Stream(1).episodes(rb, [12] * 8, tail=3).steps
+        obs, act, rew, term = rb.sample_sequence()
+        check_sequences((obs, act, rew, term), steps)
+        assert set(act[:, 0, 1].astype(int)) <= {6, 7}        # the newest quarter only
+        with rb.prefetch(device="cpu") as batches:
+            assert set(next(batches)[1][:, 0, 1].int().tolist()) <= {6, 7}
+
+
+@pytest.mark.parametrize("age_weights, err, words", [
+    ([], ValueError, r"age_weights=\[\].*empty"),
+    ((0.5, -1), ValueError, r"age_weights=\(0.5, -1\).*weights\[1\]"),
+    ("0.5", TypeError, "age_weights='0.5'"),
+])
+def test_bad_age_weights_create_nothing(age_weights, err, words):
+    # (the autouse fixture fails the test if a segment was left behind)
+    with pytest.raises(err, match=words):
+        IRISReplayBuffer(100, OBS, 6, seq_len=4, batch_size=2, age_weights=age_weights)

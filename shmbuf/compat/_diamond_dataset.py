@@ -77,7 +77,8 @@ class SequenceDataset:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"SequenceDataset indices are ints, got {type(index).__name__}")
         batch = self.replay_buffer.buffer.sample_sequences(
-            1, self._length, time_major=False, rng=self._generator())
+            1, self._length, time_major=False, rng=self._generator(),
+            select=self.replay_buffer._select)
         w = {k: v[0] for k, v in batch.items()}
         ctx, seq = np.s_[:self.burn_in], np.s_[self.burn_in:]
         actions = _actions(w["action"][seq], "cpu")

@@ -45,6 +45,22 @@ def transition_params(size, obs_shape, action_size, seq_len, batch_size, frames:
     return params
 
 
+def age_buckets(age_weights):
+    """``age_weights`` as ``(list for the metadata, AgeBuckets selector)``, or ``(None, None)``.
+
+    Errors name ``age_weights`` (the facades' constructor argument).
+    """
+    if age_weights is None:
+        return None, None
+    from ..select import AgeBuckets
+
+    try:
+        sel = AgeBuckets(age_weights)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"age_weights={age_weights!r}: {exc}") from None
+    return list(sel.weights), sel
+
+
 def check_window(arg: str, seq_len, size: int, frames: int) -> int:
     """``seq_len`` such that ``seq_len + frames`` steps fit in a buffer of ``size``."""
     if size - frames < 1:

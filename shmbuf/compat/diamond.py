@@ -31,6 +31,8 @@ Deliberate differences from upstream (torchwm 0.4.2):
 - DataLoader workers read the live shared buffer, new steps included;
 - too little data raises ``NotEnoughDataError``; ``seed=`` seeds each handle's
   own generator; inputs are checked before anything is written;
+- ``age_weights=`` adds DIAMOND's own episode weighting by age
+  (``shmbuf.select.AgeBuckets``), which torchwm's buffer lacks;
 - ``position`` is ``steps % capacity``, a counter kept for compatibility (with
   several writer processes there is no single write position), as Dreamer's ``idx``.
 
@@ -49,7 +51,7 @@ import numpy as np
 
 from ._base import Facade, register
 from .._args import check_int
-from ._transitions import check_shape
+from ._transitions import age_buckets, check_shape
 
 _ACTION_KINDS = "iuf"
 
@@ -126,6 +128,14 @@ class ReplayBuffer(Facade):
         action_dtype: dtype of the stored actions: None (float32, which holds
             discrete action indices exactly too) or any numpy/torch integer or
             float dtype.
+        age_weights: None (default: sequences uniform over every valid
+            window, as upstream), or DIAMOND's episode weighting by age, e.g.
+            ``(0.1, 0.1, 0.1, 0.7)``: ``sample_sequence`` and
+            ``SequenceDataset`` items then draw with
+            ``shmbuf.select.AgeBuckets(age_weights)`` (the finished episodes
+            of at least ``burn_in + sequence_length`` steps, oldest first, in
+            equal groups; a group by weight, then an episode and a start
+            uniformly).  ``sample`` (single transitions) stays uniform.
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None).
 
@@ -142,14 +152,14 @@ class ReplayBuffer(Facade):
     FACADE = "torchwm.diamond.ReplayBuffer"
 
     def __init__(self, capacity: int = 1000, obs_shape: tuple = (64, 64, 3),
-                 action_dim: int = 1, device="cpu", *, action_dtype=None, seed=None,
-                 name: str | None = None):
+                 action_dim: int = 1, device="cpu", *, action_dtype=None, age_weights=None,
+                 seed=None, name: str | None = None):
         shape = check_shape("obs_shape", obs_shape)
         if len(shape) != 3:
             raise ValueError(f"obs_shape must be (H, W, C), got {tuple(obs_shape)}")
         params = {"obs_shape": shape, "action_dim": check_int("action_dim", action_dim, 1),
                   "action_dtype": _action_dtype(action_dtype).str,
-                  "device": _device_name(device)}
+                  "device": _device_name(device), "age_weights": age_buckets(age_weights)[0]}
         frame = (tuple(shape), np.uint8)
         spec = {"obs": frame, "action": ((params["action_dim"],), params["action_dtype"]),
                 "reward": ((), np.float32), "done": ((), np.bool_), "next_obs": frame}
@@ -160,6 +170,8 @@ class ReplayBuffer(Facade):
         self.action_dim = params["action_dim"]
         self.action_dtype = np.dtype(params["action_dtype"])
         self._device = params["device"]
+        self._select = age_buckets(params.get("age_weights"))[1]
+        self.age_weights = None if self._select is None else self._select.weights
 
     @classmethod
     def attach(cls, name: str, *, seed=None, device=None, own: bool = False,
@@ -287,7 +299,8 @@ class ReplayBuffer(Facade):
 
         A draw is a window of ``burn_in + sequence_length`` consecutive steps
         of one writer's stream and one episode (it may end on the terminal
-        step), uniform over every such window.  Its first ``burn_in`` steps
+        step), uniform over every such window (or by ``age_weights``, see the
+        constructor).  Its first ``burn_in`` steps
         are the context (to warm up a recurrent state, or to condition on);
         the rest is the sequence.  The first ``burn_in`` steps of an episode
         are therefore never part of a sequence.
@@ -313,7 +326,8 @@ class ReplayBuffer(Facade):
             >>> seq["obs"].shape, seq["burn_in_obs"].shape   # (16, 5, 3, 64, 64), (16, 4, ...)
         """
         length, burn_in = self._window(sequence_length, burn_in)
-        batch = self.buffer.sample_sequences(batch_size, length, time_major=False)
+        batch = self.buffer.sample_sequences(batch_size, length, time_major=False,
+                                             select=self._select)
         dev, ctx, seq = self._device, np.s_[:, :burn_in], np.s_[:, burn_in:]
         return {"obs": _frames(batch["obs"][seq], dev),
                 "next_obs": _frames(batch["next_obs"][seq], dev),

@@ -23,7 +23,9 @@ covered ``L - 1`` steps, retried once and never re-checked the new start;
 windows spliced the newest data onto the oldest once full; the newest action
 and reward were never sampled; too little data returned zero-filled windows
 (shmbuf raises ``NotEnoughDataError``); ``IRISOnPolicyBuffer`` never enforced
-``max_steps`` and kept references to the caller's arrays.
+``max_steps`` and kept references to the caller's arrays.  An addition:
+``age_weights=`` gives IRIS's own episode weighting by age
+(``shmbuf.select.AgeBuckets``), which torchwm's buffer lacks.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from .._errors import NotEnoughDataError, OnPolicyBufferFullError
 from ._base import register
 from .._args import check_int
 from . import _torch_batches
-from ._transitions import TransitionFacade, check_window, transition_params, \
+from ._transitions import TransitionFacade, age_buckets, check_window, transition_params, \
     transition_spec
 
 
@@ -48,6 +50,13 @@ class IRISReplayBuffer(TransitionFacade):
         seq_len: default actions per sampled sequence, ``1 <= seq_len <= size - 1``
             (a window spans ``seq_len + 1`` steps).
         batch_size: sequences per ``sample_sequence()``.
+        age_weights: None (default: windows uniform over every valid start,
+            as upstream's buffer), or IRIS's episode weighting by age, e.g.
+            ``(1/8, 1/8, 1/4, 1/2)``: ``sample_sequence``, ``prefetch`` and
+            ``dataset`` then draw with ``shmbuf.select.AgeBuckets(age_weights)``
+            (the finished episodes of at least ``seq_len`` steps, oldest
+            first, in equal groups; a group by weight, then an episode and a
+            start uniformly).  Every handle attached by name draws the same way.
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None); ``IRISReplayBuffer.attach(name)``
             opens the same buffer in another process.
@@ -65,10 +74,16 @@ class IRISReplayBuffer(TransitionFacade):
     FACADE = "torchwm.iris.IRISReplayBuffer"
 
     def __init__(self, size: int, obs_shape: tuple, action_size: int, seq_len: int = 20,
-                 batch_size: int = 64, *, seed=None, name: str | None = None):
+                 batch_size: int = 64, *, age_weights=None, seed=None, name: str | None = None):
         params = transition_params(size, obs_shape, action_size, seq_len, batch_size, frames=1)
+        params["age_weights"] = age_buckets(age_weights)[0]
         self._create(transition_spec(params["obs_shape"], params["action_size"]),
                      params["size"], params, name=name, seed=seed)
+
+    def _setup(self, params: dict) -> None:
+        super()._setup(params)
+        self._select = age_buckets(params.get("age_weights"))[1]
+        self.age_weights = None if self._select is None else self._select.weights
 
     def add(self, obs, action, reward, done) -> None:
         """Append one transition from this process.
@@ -98,7 +113,8 @@ class IRISReplayBuffer(TransitionFacade):
     def sample_sequence(self, seq_len: int | None = None):
         """Draw ``batch_size`` windows of ``seq_len`` actions and ``seq_len + 1`` frames.
 
-        Starts are uniform over every valid window: ``seq_len`` consecutive
+        Starts are uniform over every valid window (or drawn by ``age_weights``,
+        see the constructor): ``seq_len`` consecutive
         steps of one writer's stream and one episode, which may end on the
         terminal step, and the frame that follows (see the module doc);
         ``obs[:, t + 1]`` is the frame that ``act[:, t]`` led to, except after
@@ -130,7 +146,7 @@ class IRISReplayBuffer(TransitionFacade):
         batch_size = check_int("batch_size", self.batch_size, 1)
         try:
             batch = self.buffer.sample_sequences(batch_size, length + 1, time_major=False,
-                                                 tail=1)
+                                                 tail=1, select=self._select)
         except NotEnoughDataError as exc:
             raise NotEnoughDataError(
                 f"sample_sequence(seq_len={length}) needs {length + 1} consecutive steps of "
@@ -158,7 +174,8 @@ class IRISReplayBuffer(TransitionFacade):
                               self.size, 1)
         return _torch_batches.prefetch(self, check_int("batch_size", self.batch_size, 1),
                                        length + 1, _torch_batches.iris, depth, device,
-                                       pin_memory, time_major=False, tail=1)
+                                       pin_memory, time_major=False, tail=1,
+                                       select=self._select)
 
     def dataset(self, seq_len: int | None = None, batches: int | None = None, seed=None):
         """A torch ``IterableDataset`` of ``sample_sequence()`` batches (``Buffer.dataset``)."""
@@ -166,7 +183,7 @@ class IRISReplayBuffer(TransitionFacade):
                               self.size, 1)
         return _torch_batches.dataset(self, check_int("batch_size", self.batch_size, 1),
                                       length + 1, _torch_batches.iris, batches, seed,
-                                      time_major=False, tail=1)
+                                      time_major=False, tail=1, select=self._select)
 
     def sample_single(self):
         """Draw one stored transition uniformly, the newest included.
