@@ -1,4 +1,8 @@
 """python -m shmbuf ls | info NAME | rm [--force] NAME... | gc [--dry-run] | top NAME
+                 | import SOURCE [--name X] | export NAME --to TARGET
+
+``import`` and ``export`` need the datasets extra (``shmbuf.datasets._cli``);
+``import`` holds the buffer it made until Ctrl-C or SIGTERM.
 
 Exit codes: 0 success, 1 a named segment is missing, is not a shmbuf
 buffer, or (rm without --force) has a live owner; 2 bad usage (argparse).
@@ -294,6 +298,34 @@ def cmd_top(args) -> int:
     return 0
 
 
+def cmd_import(args) -> int:
+    from .datasets._cli import run_import  # the optional extra: imported only here
+
+    return run_import(args)
+
+
+def cmd_export(args) -> int:
+    from .datasets._cli import run_export
+
+    return run_export(args)
+
+
+def _dataset_parsers(sub) -> None:
+    p = sub.add_parser("import", help="load a dataset into a new buffer and hold it (owner) "
+                       "until Ctrl-C or SIGTERM")
+    p.add_argument("source", help="minari:<dataset id> or swm:<file.h5>")
+    p.add_argument("--name", help="the buffer's name (default: generated)")
+    p.add_argument("--capacity", type=int, help="steps held (default: the whole dataset; "
+                   "smaller keeps the newest episodes)")
+    p.add_argument("--keys", help="comma-separated: Minari observation keys, or swm columns")
+    p.set_defaults(func=cmd_import)
+    p = sub.add_parser("export", help="write a buffer's finished episodes as a dataset")
+    p.add_argument("name")
+    p.add_argument("--to", required=True, help="minari:<dataset id> or swm:<file.h5>")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing swm file")
+    p.set_defaults(func=cmd_export)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shmbuf", description="Inspect and clean up shmbuf "
                                      "buffers in /dev/shm.")
@@ -319,6 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plain", action="store_true", help="append lines instead of redrawing "
                    "(the default when stdout is not a terminal)")
     p.set_defaults(func=cmd_top)
+    _dataset_parsers(sub)
     return parser
 
 

@@ -1,0 +1,90 @@
+"""``shmbuf import`` and ``shmbuf export``: the CLI's side of ``shmbuf.datasets``.
+
+An imported buffer lives in shared memory only while some process owns it
+(the owner unlinks it when it exits), so ``shmbuf import`` holds it: it
+imports, prints ``NAME<TAB>STEPS<TAB>EPISODES`` on stdout, and then stays
+in the foreground as the buffer's owner until Ctrl-C or SIGTERM (both
+remove the buffer) or until ``shmbuf rm --force NAME`` removes it.  Trainers
+and DataLoader workers attach by name meanwhile.  If the holder is killed
+(SIGKILL), the segment stays: ``shmbuf.attach(NAME, own=True)`` adopts it,
+or ``shmbuf gc`` removes it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from .._errors import BufferClosedError, ShmbufError
+
+_HOLD_POLL = 0.5  # seconds between checks that nobody removed the held buffer
+
+
+def parse_source(text: str, flag: str) -> tuple[str, str]:
+    """``minari:<id>`` or ``swm:<path>`` as ``(kind, rest)``; ValueError otherwise."""
+    kind, sep, rest = text.partition(":")
+    if not sep or kind not in ("minari", "swm") or not rest:
+        raise ValueError(f"{flag} {text!r}: expected minari:<dataset id> or swm:<file.h5>")
+    return kind, rest
+
+
+def _import(args):
+    from . import from_minari, from_swm_hdf5
+
+    kind, rest = parse_source(args.source, "source")
+    keys = args.keys.split(",") if args.keys else None
+    if kind == "minari":
+        return from_minari(rest, name=args.name, capacity=args.capacity, keys=keys)
+    return from_swm_hdf5(rest, name=args.name, capacity=args.capacity, keys=keys)
+
+
+def run_import(args) -> int:
+    """Import, report on stdout, then hold the buffer until a signal or its removal."""
+    try:
+        buf = _import(args)
+    except ImportError as exc:
+        print(f"shmbuf import: {exc}; install the datasets extra: pip install "
+              "'shmbuf[datasets]'", file=sys.stderr)
+        return 1
+    except (ShmbufError, ValueError, KeyError, TypeError, OSError) as exc:
+        print(f"shmbuf import: {exc}", file=sys.stderr)
+        return 1
+    with buf:
+        print(f"{buf.name}\t{len(buf)}\t{len(buf.episodes().index)}", flush=True)
+        print(f"shmbuf import: holding {buf.name!r} (pid {os.getpid()}); attach with "
+              f"shmbuf.attach({buf.name!r}). Ctrl-C or 'kill {os.getpid()}' removes it",
+              file=sys.stderr, flush=True)
+        try:
+            while True:
+                time.sleep(_HOLD_POLL)
+                buf.wait_ready(1, timeout=0)  # raises once someone removed it
+        except BufferClosedError:
+            print(f"shmbuf import: {buf.name!r} was removed by another process",
+                  file=sys.stderr)
+        except KeyboardInterrupt:
+            print(f"shmbuf import: removed {buf.name!r}", file=sys.stderr)
+    return 0
+
+
+def run_export(args) -> int:
+    """Write buffer ``args.name`` to ``args.to``."""
+    from .. import attach
+
+    try:
+        kind, rest = parse_source(args.to, "--to")
+        from . import to_minari, to_swm_hdf5
+
+        with attach(args.name) as buf:
+            if kind == "minari":
+                n = to_minari(buf, rest).total_episodes
+            else:
+                n = to_swm_hdf5(buf, rest, overwrite=args.overwrite)
+    except ImportError as exc:
+        print(f"shmbuf export: {exc}; install the datasets extra: pip install "
+              "'shmbuf[datasets]'", file=sys.stderr)
+        return 1
+    except (ShmbufError, ValueError, KeyError, TypeError, OSError) as exc:
+        print(f"shmbuf export: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {n} episodes of {args.name} to {args.to}")
+    return 0
