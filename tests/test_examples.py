@@ -90,6 +90,22 @@ def test_facade_example_runs_and_prints_the_documented_shapes(script):
         assert any(line.startswith(want) for line in lines), (want, lines)
 
 
+@pytest.mark.slow
+def test_offline_dataloader_loads_once_and_trains_with_workers_and_two_trainers():
+    pytest.importorskip("h5py")
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / "offline_dataloader.py"),
+                          "--episodes", "8", "--length", "30", "--batches", "6"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    assert lines[0].startswith("loaded once: 8 episodes, 240 steps into shmbuf-")
+    assert lines[1].startswith("DataLoader(4 workers): 6 batches of pixels (8, 16, 3, 16, 16)")
+    assert [line.split(":")[0] for line in lines[2:4]] == ["trainer 0", "trainer 1"]
+    assert all(" 6 batches" in line for line in lines[2:4])
+    assert lines[-1].endswith("exit codes [0, 0]")
+
+
 def test_every_example_has_a_test():
-    tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py", *FACADE_EXAMPLES}
+    tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py",
+              "offline_dataloader.py", *FACADE_EXAMPLES}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
