@@ -157,6 +157,7 @@ def from_minari(dataset, *, name: str | None = None, capacity: int | None = None
     block = block_rows(spec, block_bytes)
     slots = min(capacity, max(default_episode_slots(capacity), len(ids)))
     buf = store.create(spec, capacity, name=name, seed=seed, meta=_meta(ds, obs_space),
+                       prefault=False,
                        episode_slots=slots)
     obs_leaves, act_leaves = leaves(obs_space, "obs"), leaves(ds.action_space, "action")
     with filling(buf) as writer, progress_bar(int(steps.sum() + len(ids)), "from_minari",

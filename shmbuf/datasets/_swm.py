@@ -156,8 +156,10 @@ def from_swm_hdf5(path, *, name: str | None = None, capacity: int | None = None,
         spec = {k: (ds.shape[1:], ds.dtype) for k, ds in cols.items()}
         done = done_key if done_key in spec and spec[done_key][0] == () else None
         slots = min(capacity, max(default_episode_slots(capacity), len(picked)))
+        # No prefault: the copy touches every page anyway, and faulting them there is
+        # cheaper than populating first (bench_datasets.py).
         buf = store.create(spec, capacity, name=name, seed=seed, done_key=done,
-                           episode_slots=slots,
+                           prefault=False, episode_slots=slots,
                            meta={"source": "swm-hdf5", "file": os.path.basename(path)[:200]})
         with filling(buf) as writer, progress_bar(int(lengths[picked].sum()),
                                                   "from_swm_hdf5", progress) as bar:
