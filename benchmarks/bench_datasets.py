@@ -12,10 +12,11 @@ stable-worldmodel's layout (one dataset per column, ep_len, ep_offset).
      h5py     every column read with h5py into fresh numpy arrays (baseline)
      import   shmbuf.datasets.from_swm_hdf5: segment created, rows read in
               64 MiB blocks and appended with Writer.extend
-     alloc    shmbuf.create of the same buffer, prefaulted, and close: the
+     alloc    shmbuf.create of the same buffer, prefaulted (close not timed): the
               cost of the segment's pages alone (tmpfs pages are 4 KiB unless
               /sys/kernel/mm/transparent_hugepage/shmem_enabled allows more,
               while numpy's large arrays get huge pages), a floor under import
+     blocks   the importer's h5py reads alone, into reused 64 MiB blocks
    ratio = h5py time / import time (target >= 0.8).
 2. Memory: ``--workers`` DataLoader workers (forkserver start, the default
    start method on Linux from Python 3.14, and what spawn does too) each draw
@@ -42,6 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -86,10 +88,28 @@ def h5py_read(path: Path) -> dict:
         return {k: f[k][:] for k in f}
 
 
+def block_read(path: Path, block_bytes: int = 64 << 20) -> None:
+    """The importer's reads alone: every column in blocks into reused arrays."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        cols = [f[k] for k in f if k not in ("ep_len", "ep_offset")]
+        n = cols[0].shape[0]
+        step = max(1, block_bytes // ROW)
+        blocks = [np.empty((step,) + c.shape[1:], c.dtype) for c in cols]
+        for a in range(0, n, step):
+            b = min(a + step, n)
+            for c, out in zip(cols, blocks):
+                c.read_direct(out, np.s_[a:b], np.s_[0:b - a])
+
+
 def import_speed(path: Path, reps: int) -> dict:
     h5py_read(path)  # warm the page cache
-    t_h5, t_imp, t_alloc = [], [], []
+    t_h5, t_imp, t_alloc, t_blocks = [], [], [], []
     for _ in range(reps):
+        t0 = time.perf_counter()
+        block_read(path)
+        t_blocks.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         arrays = h5py_read(path)
         t_h5.append(time.perf_counter() - t0)
@@ -100,11 +120,13 @@ def import_speed(path: Path, reps: int) -> dict:
         spec, capacity = buf.spec, buf.capacity
         buf.close()
         t0 = time.perf_counter()
-        shmbuf.create(spec, capacity, done_key="terminated").close()
+        empty = shmbuf.create(spec, capacity, done_key="terminated")
         t_alloc.append(time.perf_counter() - t0)
+        empty.close()
     ratios = [h / i for h, i in zip(t_h5, t_imp)]
     return {"h5py_s": statistics.median(t_h5), "import_s": statistics.median(t_imp),
-            "alloc_s": statistics.median(t_alloc), "ratio": statistics.median(ratios),
+            "alloc_s": statistics.median(t_alloc), "blocks_s": statistics.median(t_blocks),
+            "ratio": statistics.median(ratios),
             "ratios": ratios}
 
 
@@ -184,9 +206,11 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--batches", type=int, default=3, help="batches per worker before Pss")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-memory", action="store_true", help="the import part only")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
     args = p.parse_args(argv)
+    warnings.filterwarnings("ignore", message="This DataLoader will create")  # > 2 cores' worth
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         path = Path(tmp) / "import.h5"
         nbytes = write_file(path, args.import_mb)
@@ -194,26 +218,33 @@ def main(argv=None) -> int:
         os.unlink(path)
         mb = nbytes / 2**20
         print(f"{'import':<10} {'MiB':>8} {'h5py s':>8} {'import s':>9} {'alloc s':>8} "
-              f"{'ratio':>6}  ratios")
+              f"{'blocks s':>9} {'ratio':>6}  ratios")
         print(f"{'swm h5':<10} {mb:8.0f} {speed['h5py_s']:8.3f} {speed['import_s']:9.3f} "
-              f"{speed['alloc_s']:8.3f} {speed['ratio']:6.2f}  "
+              f"{speed['alloc_s']:8.3f} {speed['blocks_s']:9.3f} {speed['ratio']:6.2f}  "
               f"{', '.join(f'{r:.2f}' for r in speed['ratios'])}")
-        path = Path(tmp) / "pss.h5"
-        write_file(path, args.pss_mb)
-        mem = memory(path, args.workers, args.batches)
-    data = mem["data_bytes"]
-    print(f"\n{args.workers} DataLoader workers, data {data / 2**20:.0f} MiB; total Pss of "
-          f"trainer + workers (MiB), and (total - empty) / data")
-    for k, v in mem["pss_bytes"].items():
-        ratio = mem["ratio"].get(k)
-        print(f"{k:<10} {v / 2**20:10.0f}" + (f" {ratio:8.2f}x" if ratio is not None else
-                                               "   (overhead)"))
+        mem = None
+        if not args.no_memory:
+            path = Path(tmp) / "pss.h5"
+            write_file(path, args.pss_mb)
+            mem = memory(path, args.workers, args.batches)
+    if mem is not None:
+        report_memory(mem, args.workers)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"import": speed, "import_bytes": nbytes, "memory": mem,
                                      "workers": args.workers, "cpus": os.cpu_count(),
                                      "python": sys.version.split()[0],
                                      "shmbuf": shmbuf.__version__}, indent=1))
     return 0
+
+
+def report_memory(mem: dict, workers: int) -> None:
+    data = mem["data_bytes"]
+    print(f"\n{workers} DataLoader workers, data {data / 2**20:.0f} MiB; total Pss of "
+          f"trainer + workers (MiB), and (total - empty) / data")
+    for k, v in mem["pss_bytes"].items():
+        ratio = mem["ratio"].get(k)
+        print(f"{k:<10} {v / 2**20:10.0f}" + (f" {ratio:8.2f}x" if ratio is not None else
+                                               "   (overhead)"))
 
 
 if __name__ == "__main__":
