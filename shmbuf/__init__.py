@@ -23,6 +23,7 @@ from . import params as _params
 from ._layout import KIND_KEYED as _KIND_KEYED
 from ._segment import Segment as _Segment
 from .compat._base import facade_for as _facade_for
+from .ratelimit import RateLimit, RateStats
 from .store import Buffer, Stats, create
 from .store import from_segment as _from_segment
 from .writer import Writer
@@ -119,7 +120,7 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
 
 
 __all__ = [
-    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver",
+    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver", "RateLimit", "RateStats",
     "HistoryBuffer", "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
     "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",

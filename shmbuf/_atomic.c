@@ -279,6 +279,179 @@ fence_seq_cst(PyObject *self, PyObject *unused)
 }
 
 /*
+ * RateGate: the rate limiter's two admissions (docs/design.md, "The rate
+ * limiter"), one for each side, on the words whose offsets _ring.RateWords
+ * gives it (from _layout): the step clock, the replayed budget, and the
+ * limiter's flags, train ratio and min_steps (constants), tolerance (set
+ * once) and inserted base (set by a restore).  Ratio and tolerance are
+ * IEEE doubles stored as their bits.  Counted inserts are
+ * e = clock + base - min_steps; the band is
+ *     -tolerance <= replayed - ratio * e <= tolerance.
+ *   - insert(n) reserves n clock numbers by CAS if the first of them keeps
+ *     the band's lower edge (or the writers are not limited, or min_steps
+ *     is not reached): it returns the old clock, else -1.  Writers call it
+ *     where they number their steps, before the publish; the Appender calls
+ *     the same function.
+ *   - replay(n) adds n to replayed by CAS if that keeps the upper edge:
+ *     1; 0 while fewer than min_steps are inserted; 2 past the edge.
+ * Each side only waits for the other side's word to grow, and reads it
+ * before its CAS: a stale read is conservative, so the CAS keeps the band
+ * exactly (a restore or a refund may leave it for a moment).
+ */
+#define RATE_BLOCK_WRITERS 2
+
+typedef struct {
+    Py_ssize_t clock, replayed, flags, ratio, min_steps, tolerance, base;
+} RateOffs;
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer mm;
+    RateOffs o;
+} RateGate;
+
+static inline uint64_t
+word(const char *mm, Py_ssize_t off)
+{
+    return atomic_load_explicit((atomic_u64 *)(mm + off), memory_order_acquire);
+}
+
+static inline double
+word_double(const char *mm, Py_ssize_t off)
+{
+    uint64_t bits = word(mm, off);
+    double d;
+    memcpy(&d, &bits, 8);
+    return d;
+}
+
+/* Does the step numbered t (the clock before it) keep the lower edge? */
+static inline int
+insert_fits(const char *mm, const RateOffs *o, uint64_t t)
+{
+    if (!(word(mm, o->flags) & RATE_BLOCK_WRITERS))
+        return 1;
+    uint64_t inserted = t + word(mm, o->base) + 1, m = word(mm, o->min_steps);
+    if (inserted <= m)
+        return 1;
+    double replayed = (double)word(mm, o->replayed);
+    return word_double(mm, o->ratio) * (double)(inserted - m)
+        <= replayed + word_double(mm, o->tolerance);
+}
+
+static inline int64_t
+rate_take_insert(char *mm, const RateOffs *o, uint64_t n)
+{
+    atomic_u64 *clock = (atomic_u64 *)(mm + o->clock);
+    uint64_t t = atomic_load_explicit(clock, memory_order_relaxed);
+    do {
+        if (!insert_fits(mm, o, t))
+            return -1;
+    } while (!atomic_compare_exchange_weak_explicit(clock, &t, t + n, memory_order_acq_rel,
+                                                    memory_order_relaxed));
+    return (int64_t)t;
+}
+
+static int
+rate_take_replay(char *mm, const RateOffs *o, uint64_t n)
+{
+    uint64_t inserted = word(mm, o->clock) + word(mm, o->base), m = word(mm, o->min_steps);
+    if (inserted < m)
+        return 0;
+    double ratio = word_double(mm, o->ratio), tol = word_double(mm, o->tolerance);
+    double counted = ratio * (double)(inserted - m);
+    atomic_u64 *replayed = (atomic_u64 *)(mm + o->replayed);
+    uint64_t r = atomic_load_explicit(replayed, memory_order_relaxed);
+    do {
+        if ((double)(r + n) - counted > tol)
+            return 2;
+    } while (!atomic_compare_exchange_weak_explicit(replayed, &r, r + n, memory_order_acq_rel,
+                                                    memory_order_relaxed));
+    return 1;
+}
+
+static void
+rategate_dealloc(RateGate *self)
+{
+    if (self->mm.obj)
+        PyBuffer_Release(&self->mm);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* RateGate(mm, (clock, replayed, flags, ratio, min_steps, tolerance, base) offsets) */
+static PyObject *
+rategate_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    PyObject *mm;
+    RateOffs o;
+    if (!PyArg_ParseTuple(args, "O(nnnnnnn)", &mm, &o.clock, &o.replayed, &o.flags, &o.ratio,
+                          &o.min_steps, &o.tolerance, &o.base))
+        return NULL;
+    RateGate *self = (RateGate *)type->tp_alloc(type, 0);
+    if (!self)
+        return NULL;
+    if (PyObject_GetBuffer(mm, &self->mm, PyBUF_WRITABLE) < 0)
+        goto fail;
+    Py_ssize_t offs[] = {o.clock, o.replayed, o.flags, o.ratio, o.min_steps, o.tolerance, o.base};
+    for (int i = 0; i < 7; i++)
+        if (!word_at(&self->mm, offs[i]))
+            goto fail;
+    self->o = o;
+    return (PyObject *)self;
+fail:
+    Py_DECREF(self);
+    return NULL;
+}
+
+static int
+count_arg(PyObject *arg, uint64_t *n)
+{
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *n = (uint64_t)v;
+    return 0;
+}
+
+static PyObject *
+rategate_insert(RateGate *self, PyObject *arg)
+{
+    uint64_t n;
+    if (count_arg(arg, &n) < 0)
+        return NULL;
+    return PyLong_FromLongLong(rate_take_insert((char *)self->mm.buf, &self->o, n));
+}
+
+static PyObject *
+rategate_replay(RateGate *self, PyObject *arg)
+{
+    uint64_t n;
+    if (count_arg(arg, &n) < 0)
+        return NULL;
+    return PyLong_FromLong(rate_take_replay((char *)self->mm.buf, &self->o, n));
+}
+
+static PyMethodDef rategate_methods[] = {
+    {"insert", (PyCFunction)rategate_insert, METH_O,
+     "insert(n) -> the clock before n reserved step numbers, or -1: the band refuses."},
+    {"replay", (PyCFunction)rategate_replay, METH_O,
+     "replay(n) -> 1: n replayed steps taken; 0: min_steps not inserted yet; 2: past the "
+     "band's upper edge."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RateGateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmbuf._atomic.RateGate",
+    .tp_basicsize = sizeof(RateGate),
+    .tp_dealloc = (destructor)rategate_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The rate limiter's admissions: see _atomic.c.",
+    .tp_methods = rategate_methods,
+    .tp_new = rategate_new,
+};
+
+/*
  * Appender: the writer's fast path for `add` and `add_batch`.
  *
  * _ring.Streams.appender builds one per Streams object (a writer's stream,
@@ -286,11 +459,14 @@ fence_seq_cst(PyObject *self, PyObject *unused)
  * arrays, which it shares: fill, base, rows, count_off, ep and left are
  * read and advanced here and in _ring alike.  A call takes the keyword
  * dict of `add` / `add_batch` and either
- *   - returns -1 having written nothing: a column is missing or unknown, a
+ *   - returns -1 having published nothing: a column is missing or unknown, a
  *     value is not an exact ndarray (or numpy scalar) of its column's dtype
  *     and shape, nor a Python bool/int/float that the column holds exactly
- *     (_cast.scalar_fast_path's rules), a stream's chunk is full, or the
- *     buffer's closed word is set (the Python path decides what that means).  The
+ *     (_cast.scalar_fast_path's rules), a stream's chunk is full, the
+ *     buffer's closed word is set (the Python path decides what that means),
+ *     or the rate limiter (`gate`) does not admit the first step now (checked
+ *     before the copy, and again by the reserving CAS after it; only a lost
+ *     race leaves written, unpublished rows, which the Python path rewrites).  The
  *     caller then takes the Python path, which makes every check and raises
  *     its errors, or claims the next chunk;
  *   - or copies every value into the stream's next row, stores the row's
@@ -326,6 +502,7 @@ typedef struct {
     Py_ssize_t steps_off;    /* the slot's step counter */
     Py_ssize_t clock_off;    /* the header's clock */
     Py_ssize_t closed_off;   /* the header's closed word */
+    const RateOffs *rate;    /* the rate limiter's words (the gate's), NULL: not limited */
 } Appender;
 
 static void
@@ -377,27 +554,40 @@ scalar_kind(PyArray_Descr *d)
 
 /*
  * Appender(mm, names, views, ep_view, t_view, done, fill, base, rows, count_off, ep,
- *          left, steps_off, clock_off, closed_off)
+ *          left, steps_off, clock_off, closed_off[, gate])
+ * gate: the writer's RateGate (kept alive in `keep`), or None.
  */
 static PyObject *
 appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     PyObject *names, *views, *ep_view, *t_view, *fill, *base, *rows, *count_off, *ep, *left, *mm;
+    PyObject *gate = Py_None;
     int done;
     Py_ssize_t steps_off, clock_off, closed_off;
-    if (!PyArg_ParseTuple(args, "OO!O!OOiOOOOOOnnn", &mm, &PyTuple_Type, &names, &PyTuple_Type,
+    if (!PyArg_ParseTuple(args, "OO!O!OOiOOOOOOnnn|O", &mm, &PyTuple_Type, &names, &PyTuple_Type,
                           &views, &ep_view, &t_view, &done, &fill, &base, &rows, &count_off,
-                          &ep, &left, &steps_off, &clock_off, &closed_off))
+                          &ep, &left, &steps_off, &clock_off, &closed_off, &gate))
         return NULL;
+    if (gate != Py_None && !PyObject_TypeCheck(gate, &RateGateType)) {
+        PyErr_SetString(PyExc_TypeError, "Appender: gate must be a RateGate or None");
+        return NULL;
+    }
     Appender *self = (Appender *)type->tp_alloc(type, 0);
     if (!self)
         return NULL;
     if (PyObject_GetBuffer(mm, &self->mm, PyBUF_WRITABLE) < 0)
         goto fail;
-    self->keep = Py_BuildValue("(OOOOOOOOOO)", views, ep_view, t_view, fill, base, rows,
-                               count_off, ep, left, names);
+    self->keep = Py_BuildValue("(OOOOOOOOOOO)", views, ep_view, t_view, fill, base, rows,
+                               count_off, ep, left, names, gate);
     if (!self->keep)
         goto fail;
+    if (gate != Py_None) {
+        if (((RateGate *)gate)->mm.buf != self->mm.buf) {
+            PyErr_SetString(PyExc_ValueError, "Appender: the gate is over another mapping");
+            goto fail;
+        }
+        self->rate = &((RateGate *)gate)->o;
+    }
     Py_ssize_t ncols = PyTuple_GET_SIZE(names);
     if (ncols != PyTuple_GET_SIZE(views) || done < -1 || done >= ncols) {
         PyErr_SetString(PyExc_ValueError, "Appender: names, views and done do not fit");
@@ -639,6 +829,10 @@ append(Appender *self, PyObject *columns, int batch)
         || atomic_load_explicit((atomic_u64 *)((char *)self->mm.buf + self->closed_off),
                                 memory_order_relaxed))
         return PyLong_FromLong(-1);
+    /* A step the rate limiter would make wait: the Python path waits (copying nothing here). */
+    if (self->rate && !insert_fits((char *)self->mm.buf, self->rate, atomic_load_explicit(
+            (atomic_u64 *)((char *)self->mm.buf + self->clock_off), memory_order_relaxed)))
+        return PyLong_FromLong(-1);
     npy_intp n = batch ? self->n : 1;
     const char *src[MAX_FAST_COLUMNS];
     char scratch[MAX_FAST_COLUMNS][16];
@@ -686,9 +880,20 @@ append(Appender *self, PyObject *columns, int batch)
                 terminal = truth_of(c, src[self->done] + j * c->row_bytes);
     }
     char *mm = (char *)self->mm.buf;
-    /* Numbered in the buffer's publish order before the counts publish the rows. */
-    uint64_t t = atomic_fetch_add_explicit((atomic_u64 *)(mm + self->clock_off), (uint64_t)n,
-                                           memory_order_relaxed);
+    /* Numbered in the buffer's publish order before the counts publish the rows.  Rate
+     * limited, the numbers are reserved by the gate's CAS; if another writer took the
+     * room since the check above, nothing is published (the rows written stay
+     * unpublished) and the Python path waits and writes them again. */
+    uint64_t t;
+    if (self->rate) {
+        int64_t got = rate_take_insert(mm, self->rate, (uint64_t)n);
+        if (got < 0)
+            return PyLong_FromLong(-1);
+        t = (uint64_t)got;
+    } else {
+        t = atomic_fetch_add_explicit((atomic_u64 *)(mm + self->clock_off), (uint64_t)n,
+                                      memory_order_relaxed);
+    }
     for (npy_intp j = 0; j < n; j++) {
         ((int64_t *)self->ep_col)[self->base[j] + self->fill[j]] = self->ep[j];
         ((int64_t *)self->t_col)[self->base[j] + self->fill[j]] = (int64_t)(t + (uint64_t)j);
@@ -967,7 +1172,7 @@ PyInit__atomic(void)
         }
     }
     import_array();
-    if (PyType_Ready(&AppenderType) < 0)
+    if (PyType_Ready(&AppenderType) < 0 || PyType_Ready(&RateGateType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -975,6 +1180,12 @@ PyInit__atomic(void)
     Py_INCREF(&AppenderType);
     if (PyModule_AddObject(m, "Appender", (PyObject *)&AppenderType) < 0) {
         Py_DECREF(&AppenderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&RateGateType);
+    if (PyModule_AddObject(m, "RateGate", (PyObject *)&RateGateType) < 0) {
+        Py_DECREF(&RateGateType);
         Py_DECREF(m);
         return NULL;
     }

@@ -378,7 +378,7 @@ class _Replay:
         """Stream ``sid``'s writer, ready for ``row``: the episode cut before it is made."""
         w = self.writers.get(sid)
         if w is None:
-            w = self.writers[sid] = self.buf.writer()
+            w = self.writers[sid] = self.buf._writer(limited=False)   # restores are not limited
         j = self.prev.get(sid)
         if j is not None and j >= 0 and self.episode[row] != self.episode[j] and not (
                 self.done is not None and self.done[j]):

@@ -26,7 +26,11 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   256  evicted        Q    atomic: committed steps dropped by recycling
   320  clock          Q    atomic: steps ever published; a step's number is its row's _t
   384  samples        Q    atomic: sample calls served
+  448  replayed       Q    atomic: the rate limiter's budget: steps replayed (B*L per batch), by CAS
   512  serial         Q    atomic: serial numbers handed out by Buffer.next_serial()
+  576  rate           Q    atomic: the rate limiter, 8 words (RATE_FIELDS): flags, train ratio,
+                           min_steps, writer timeout (constants), tolerance (only widens),
+                           seconds waited per side (ns), inserted base (set by a restore)
   640  episode_ticket  Q   atomic: episodes logged so far; entry i lives at i % episode_slots
   704  owner          Q    atomic: owner record, lease << 32 | pid; adoption takes it by CAS
   768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
@@ -102,9 +106,20 @@ HEADER_FIELDS = {
     "episodes_at": (120, "<Q"),
 }
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "clock": 320, "samples": 384,
-            "serial": 512,
+            "replayed": 448, "serial": 512, "rate": 576,
             "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
             "sampled_rows": 896}
+# The rate limiter's line (at COUNTERS["rate"]): flags (RATE_ON, RATE_BLOCK_WRITERS, RATE_AUTO_TOLERANCE),
+# train_ratio and writer_timeout as IEEE double bits (timeout: all ones for None),
+# min_steps, tolerance as double bits (auto: train_ratio, then widened to the largest batch),
+# the nanoseconds samplers and writers spent waiting (fetch-add), and a restore's
+# base (int64 two's complement: inserted = clock + base).  Constants are written
+# with the header, before its magic is published; 0 flags: no limit.
+RATE_FIELDS = {"flags": 0, "ratio": 8, "min_steps": 16, "writer_timeout": 24, "tolerance": 32,
+               "sample_wait_ns": 40, "insert_wait_ns": 48, "base": 56}
+RATE_ON, RATE_BLOCK_WRITERS, RATE_AUTO_TOLERANCE = 1, 2, 4   # auto: widened to the largest batch
+NO_TIMEOUT = (1 << 64) - 1
+
 # Who set the closed word (its bits 32-63), for the message writers get.
 CLOSED_BY = {1: "its owner", 2: "'shmbuf rm'", 3: "'shmbuf gc' (its owner was dead)"}
 CLOSED_OWNER, CLOSED_RM, CLOSED_GC = 1, 2, 3
@@ -334,8 +349,11 @@ def encode_meta(meta) -> bytes:
 
 
 def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: int,
-                  kind: int = 0, meta: bytes = b"{}") -> bytes:
-    """The fixed header and the column table, ready to copy to offset 0."""
+                  kind: int = 0, meta: bytes = b"{}", rate: dict | None = None) -> bytes:
+    """The fixed header and the column table, ready to copy to offset 0.
+
+    ``rate``: the rate limiter's words (``{RATE_FIELDS name: u64}``), if any.
+    """
     out = bytearray(layout.slots_offset)
     out[META:META + len(meta)] = meta
     values = {
@@ -352,6 +370,8 @@ def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: 
     # The first owner record (lease 1), published with the rest of the header.
     struct.pack_into("<Q", out, COUNTERS["owner"], 1 << 32 | owner_pid)
     struct.pack_into("<Q", out, COUNTERS["owner_stamp"], owner_start << 16 | 1)
+    for field, value in (rate or {}).items():
+        struct.pack_into("<Q", out, COUNTERS["rate"] + RATE_FIELDS[field], value)
     for i, col in enumerate(layout.columns):
         shape = list(col.shape) + [0] * (MAX_NDIM - len(col.shape))
         COLUMN_STRUCT.pack_into(out, COLUMN_TABLE + i * COLUMN_ENTRY, col.name.encode(),

@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import struct
 
 import numpy as np
 
 from . import _atomic as atomic
 from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
-                      EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, SEALED, SLOT_ENTRY,
+                      EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, NO_TIMEOUT, RATE_FIELDS,
+                      SEALED, SLOT_ENTRY,
                       SLOT_FIELDS, STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout,
                       pack_chunk_state, read_field, unpack_chunk_state, T_COLUMN)
 from ._procs import is_alive, my_start_time
 
 _U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
 _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
 _NEXT, _NEXT_SEQ = CHUNK_FIELDS["next"] // 8, CHUNK_FIELDS["next_seq"] // 8
@@ -71,6 +74,7 @@ def header_written(mm) -> bool:
 # -- the closed mark and the owner record (segments of every kind) -----------------
 _CLOSED, _OWNER, _OWNER_STAMP = COUNTERS["closed"], COUNTERS["owner"], COUNTERS["owner_stamp"]
 _CLOCK = COUNTERS["clock"]
+_REPLAYED, _RATE = COUNTERS["replayed"], COUNTERS["rate"]
 
 
 def mark_closed(mm, reason: int, pid: int) -> bool:
@@ -107,6 +111,92 @@ class ClosedMark:
         word = self.view[0]
         if word and word & _U32 != (os.getpid() if pid is None else pid):
             raise BufferClosedError(closed_message(self.name, word))
+
+
+class RateWords:
+    """The rate limiter's words of one step store: the ``replayed`` line and the ``rate`` line.
+
+    The admissions themselves (a CAS on ``clock`` for writers, on
+    ``replayed`` for samplers, each checking the band first) are one C call
+    each (``_atomic.RateGate``), which the writer's C fast path shares; this
+    class holds every other load and store of the limiter's words.  Waiting,
+    timeouts and messages are ``shmbuf.ratelimit``'s.
+    """
+
+    def __init__(self, mm):
+        self.mm = mm
+        off = self.off = {f: _RATE + o for f, o in RATE_FIELDS.items()}
+        self.gate = atomic.RateGate(mm, (_CLOCK, _REPLAYED, off["flags"], off["ratio"],
+                                         off["min_steps"], off["tolerance"], off["base"]))
+        self.take_insert = self.gate.insert   # n -> the clock before, or -1: the band refuses
+        self.take_replay = self.gate.replay   # n -> 1 taken, 0 min_steps not met, 2 past the edge
+
+    def _load(self, field: str) -> int:
+        return atomic.load_acquire(self.mm, self.off[field])
+
+    def config(self) -> tuple[int, float, int, float | None]:
+        """(flags, train ratio, min_steps, writer timeout or None): constants since create."""
+        timeout = self._load("writer_timeout")
+        return (self._load("flags"), _double(self._load("ratio")), self._load("min_steps"),
+                None if timeout == NO_TIMEOUT else _double(timeout))
+
+    def tolerance(self) -> float:
+        return _double(self._load("tolerance"))
+
+    def widen(self, tolerance: float) -> float:
+        """Raise the tolerance to at least ``tolerance`` (a CAS loop; it never shrinks); return it.
+
+        Widening only moves the band's edges outwards, so a state inside the
+        old band is inside the new one.
+        """
+        off = self.off["tolerance"]
+        while True:
+            bits = atomic.load_acquire(self.mm, off)
+            if _double(bits) >= tolerance or atomic.compare_exchange(
+                    self.mm, off, bits, _bits(tolerance)):
+                return max(_double(bits), tolerance)
+
+    def refund(self, n: int) -> None:
+        """Give back ``n`` replayed steps a sample took but did not deliver."""
+        atomic.fetch_add(self.mm, _REPLAYED, (1 << 64) - n)
+
+    def add_wait(self, side: str, ns: int) -> None:
+        """Count ``ns`` nanoseconds waited by ``side`` ("sample" or "insert")."""
+        atomic.fetch_add(self.mm, self.off[side + "_wait_ns"], ns)
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """(inserted, replayed, sample wait ns, insert wait ns); inserted is clock + base."""
+        clock = atomic.load_acquire(self.mm, _CLOCK)
+        inserted = (clock + self._load("base")) & _U64
+        return (inserted, atomic.load_acquire(self.mm, _REPLAYED), self._load("sample_wait_ns"),
+                self._load("insert_wait_ns"))
+
+    def set_counts(self, inserted: int, replayed: int) -> None:
+        """Continue from a checkpoint's counts: inserted (through ``base``) and replayed.
+
+        Plain stores: a restore is not concurrent with sampling, and steps
+        published meanwhile would only be counted from now on.
+        """
+        base = (inserted - atomic.load_acquire(self.mm, _CLOCK)) & _U64
+        atomic.store_release(self.mm, self.off["base"], base)
+        atomic.store_release(self.mm, _REPLAYED, replayed)
+
+
+def _double(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<Q", bits))[0]
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<Q", struct.pack("<d", value))[0]
+
+
+def rate_words(limit: tuple[int, float, int, float | None, float]) -> dict[str, int]:
+    """The rate line's words for ``encode_header``: (flags, ratio, min_steps, writer timeout
+    or None, tolerance)."""
+    flags, ratio, min_steps, timeout, tolerance = limit
+    return {"flags": flags, "ratio": _bits(ratio), "min_steps": min_steps,
+            "writer_timeout": NO_TIMEOUT if timeout is None else _bits(timeout),
+            "tolerance": _bits(tolerance)}
 
 
 def closed_message(name, word: int) -> str:
@@ -220,6 +310,7 @@ class Ring:
         self.mm = mm
         self.layout = layout
         self.name = name
+        self.rate = RateWords(mm)      # the rate limiter's words (unused without a limit)
         mark = ClosedMark(mm, name)
         self.closed_view = mark.view   # the writer's C fast path reads it too
         self.check_open = mark.check   # check_open(pid): see ClosedMark
@@ -271,22 +362,25 @@ class Ring:
         """Steps ever published in this buffer (a step is numbered before its publish)."""
         return atomic.load_acquire(self.mm, _CLOCK)
 
-    def stamp(self, row: int, n: int = 1) -> None:
+    def stamp(self, row: int, n: int = 1, take=None) -> None:
         """Number the ``n`` contiguous rows from ``row`` in the buffer's publish order.
 
         A fetch-add on ``clock`` then the rows' ``_t``; called before the
         count store that publishes them, so a reader that sees a row
-        committed sees its number.
+        committed sees its number.  A rate-limited writer passes ``take``
+        (``n -> the clock before``), which reserves the numbers by CAS once
+        the limiter admits them (``RateWords.take_insert``), waiting if need be.
         """
-        t = atomic.fetch_add(self.mm, _CLOCK, n)
+        t = atomic.fetch_add(self.mm, _CLOCK, n) if take is None else take(n)
         if n == 1:
             self.clock_rows[row] = t
         else:
             self.clock_rows[row:row + n] = np.arange(t, t + n)
 
-    def stamp_rows(self, rows: np.ndarray) -> None:
+    def stamp_rows(self, rows: np.ndarray, take=None) -> None:
         """``stamp`` for scattered rows (one step of every stream of ``add_batch``)."""
-        t = atomic.fetch_add(self.mm, _CLOCK, len(rows))
+        n = len(rows)
+        t = atomic.fetch_add(self.mm, _CLOCK, n) if take is None else take(n)
         self.clock_rows[rows] = np.arange(t, t + len(rows))
 
     # The sums are relaxed loads; the fence orders them before any later load.
@@ -582,15 +676,18 @@ class Slot:
         # The slot's counters are cumulative over its holders: continue them.
         self._episodes = atomic.load_acquire(mm, self._episodes_off)
 
-    def open_streams(self, n: int, on_claim=None) -> "Streams":
+    def open_streams(self, n: int, on_claim=None, limit=None) -> "Streams":
         """``n`` new streams, with buffer-wide ids, written through this slot.
 
         ``on_claim(chunk)`` runs after each chunk claim, before its first row
-        is written (the writer maps the chunk's pages there).
+        is written (the writer maps the chunk's pages there).  ``limit``: the
+        rate limiter that admits this writer's steps (``ratelimit.Limiter``:
+        ``insert(n)`` waits and reserves, ``words.gate`` is its C admission),
+        or None.
         """
         first = self.ring.bump("next_stream", n)
         atomic.fetch_add(self.ring.mm, self._streams_off, n)
-        return Streams(self, np.arange(first, first + n, dtype=np.int64), on_claim)
+        return Streams(self, np.arange(first, first + n, dtype=np.int64), on_claim, limit)
 
     def count_steps(self, n: int) -> None:
         # The slot's holder is the word's only writer; the C fast path
@@ -626,9 +723,11 @@ class Streams:
     ending it logs the episode in the index.
     """
 
-    def __init__(self, slot: Slot, ids: np.ndarray, on_claim=None):
+    def __init__(self, slot: Slot, ids: np.ndarray, on_claim=None, limit=None):
         n = len(ids)
         self.slot, self.ring, self.id, self._on_claim = slot, slot.ring, ids, on_claim
+        self._limit = limit
+        self._take = None if limit is None else limit.insert   # n -> clock before (waits)
         self.chunk = np.full(n, -1, np.int64)
         self.seq = np.zeros(n, np.int64)
         self.base = np.zeros(n, np.int64)     # first row of the chunk
@@ -679,8 +778,10 @@ class Streams:
     def publish(self, i: int, terminal: bool) -> None:
         """Make stream ``i``'s written row visible; a terminal one ends the episode."""
         fill = int(self.fill[i]) + 1
+        # Numbered (and, rate-limited, admitted: it may wait or raise) before the
+        # cursor moves, so a raise leaves the row unpublished and to be rewritten.
+        self.ring.stamp(int(self.base[i]) + fill - 1, 1, self._take)
         self.fill[i] = fill
-        self.ring.stamp(int(self.base[i]) + fill - 1)
         # Counted before it is published: a writer killed in between leaves
         # steps_written one ahead, never behind what readers can see.
         self.slot.count_steps(1)
@@ -699,7 +800,8 @@ class Streams:
         try:
             return atomic.Appender(self.ring.mm, names, views, ep_view, self.ring.clock_rows,
                                    done, self.fill, self.base, self.rows, self.count_off,
-                                   self.ep, self.left, self.slot.steps_off, _CLOCK, _CLOSED)
+                                   self.ep, self.left, self.slot.steps_off, _CLOCK, _CLOSED,
+                                   None if self._limit is None else self._limit.words.gate)
         except ValueError:
             return None
 
@@ -720,11 +822,11 @@ class Streams:
         the count, and the episodes are logged after it, as ``publish`` does.
         """
         start = int(self.fill[i])
+        self.ring.stamp(int(self.base[i]) + start, n, self._take)   # first: it may raise
         for t in ends:
             if start + t + 1 < self.rows[i]:
                 self._mark_start(i, start + int(t) + 1)
         self.fill[i] = start + n
-        self.ring.stamp(int(self.base[i]) + start, n)
         self.slot.count_steps(n)
         atomic.store_release(self.ring.mm, int(self.count_off[i]), start + n)
         for t in ends:
@@ -740,7 +842,7 @@ class Streams:
 
     def publish_all(self, terminal: np.ndarray | None) -> None:
         """Make every stream's written row visible; ``terminal`` rows end episodes."""
-        self.ring.stamp_rows(self.base + self.fill)
+        self.ring.stamp_rows(self.base + self.fill, self._take)
         self.fill += 1
         self.left[0] -= 1
         self.slot.count_steps(len(self.id))

@@ -1,7 +1,8 @@
 """The one bounded backoff loop: poll a condition until it holds or time runs out.
 
-Waits for data (``Buffer.wait_ready``) and for a creator that has not
-finished its header (``Segment.header``) both poll shared words that another
+Waits for data (``Buffer.wait_ready``), for a creator that has not
+finished its header (``Segment.header``) and the rate limiter's waits
+(``shmbuf.ratelimit``) all poll shared words that another
 process will change; this loop sleeps between polls, starting at 0.1 ms and
 doubling to at most 20 ms, so a short wait stays short and a long one costs
 no CPU.
@@ -17,11 +18,12 @@ MAX_PAUSE = 0.02
 
 
 def poll(ready: Callable[[], T | None], timeout: float | None,
-         on_timeout: Callable[[], BaseException]) -> T:
+         on_timeout: Callable[[], BaseException], max_pause: float = MAX_PAUSE) -> T:
     """Call ``ready()`` until it returns something other than None; return that.
 
     Raises ``on_timeout()`` once ``timeout`` seconds (None: never) have passed
     without a result.  ``ready`` runs at least once, even with ``timeout=0``.
+    Pauses double up to ``max_pause`` (the rate limiter's waits poll faster).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     pause = FIRST_PAUSE
@@ -36,7 +38,7 @@ def poll(ready: Callable[[], T | None], timeout: float | None,
             time.sleep(min(pause, left))
         else:
             time.sleep(pause)
-        pause = min(pause * 2, MAX_PAUSE)
+        pause = min(pause * 2, max_pause)
 
 
 def check_timeout(timeout) -> float | None:

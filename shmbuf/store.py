@@ -20,6 +20,7 @@ from ._ring import Episodes, Ring, owner_alive, owner_record
 from ._handle import Shared
 from ._segment import Segment, column_views, generate_name, validate_name
 from ._wait import check_timeout, poll
+from .ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from .sampling import WindowFinder
 from .select import resolve
 from .writer import Writer
@@ -51,6 +52,7 @@ class Stats:
     samples: int
     owner_pid: int
     owner_alive: bool
+    rate: RateStats | None = None   # the rate limiter's counters, if the buffer has one
 
 
 class Buffer(Shared):
@@ -70,6 +72,8 @@ class Buffer(Shared):
         self._ring = Ring(segment.mmap, layout, segment.name)
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
+        self._limiter = Limiter.of(self._ring.rate, segment.name,
+                                   pid_check(self._ring, self._check_open))
         self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
         self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._savers = set()
@@ -140,14 +144,25 @@ class Buffer(Shared):
             >>> w = buf.writer()
             >>> w.add(obs=o, action=a, reward=r, done=d)
         """
+        return self._writer(limited=True)
+
+    def _writer(self, limited: bool) -> Writer:
+        """A writer; ``limited=False`` bypasses the rate limit (a restore's writers)."""
         self._check_live()
-        return Writer(self._ring, self._views, self._check_open, self._pages.populate)
+        limit = self._limiter if limited and self._limiter and self._limiter.block_writers \
+            else None
+        return Writer(self._ring, self._views, self._check_open, self._pages.populate, limit)
+
+    @property
+    def rate_limit(self) -> RateLimit | None:
+        """The ``RateLimit`` the buffer was created with (every process sees it), or None."""
+        return None if self._limiter is None else self._limiter.limit()
 
     # -- sampling -------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
                          uniform: str | None = None, newest: int | None = None,
-                         select=None) -> dict:
+                         select=None, timeout: float | None = None) -> dict:
         """Draw ``batch_size`` windows of ``length`` consecutive steps, with replacement.
 
         Start steps are uniform over every valid start (or drawn as
@@ -184,13 +199,19 @@ class Buffer(Shared):
                 ``Recency(...)``, ``AgeBuckets(...)``, ``Prioritized(...)``,
                 ``Mixture(...)``); with ``uniform`` too, the two must agree
                 (``Uniform()`` is ``"steps"``).  README, "Sampling regimes".
+            timeout: with a rate limit (``create(..., rate_limit=)``), the
+                seconds to wait for inserts (None: as long as it takes); the
+                batch takes its ``batch_size * length`` replayed steps from
+                the shared budget when it is drawn.  Without one, unused.
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
 
         Raises:
             NotEnoughDataError: no valid window exists yet.
-            ValueError / TypeError: a bad argument; nothing is sampled.
+            ValueError / TypeError: a bad argument, or a batch wider than
+                the rate limit's band could ever serve; nothing is sampled.
+            WaitTimeoutError: the rate limit made it wait ``timeout`` s.
 
         Example:
             >>> batch = buf.sample_sequences(50, 50)
@@ -199,10 +220,22 @@ class Buffer(Shared):
         self._check_live()
         batch_size, length, tail, sel = self._sample_args(batch_size, length, tail, uniform,
                                                           newest, select)
+        timeout = check_timeout(timeout)
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         targets = _prepare_out(out, self.spec, lead)
+        limiter = self._limiter
+        if limiter is not None:   # the batch's budget, taken before it is drawn
+            limiter.replay(batch_size * length, timeout, "sample_sequences")
+        try:
+            return self._draw(gen, batch_size, length, tail, sel, targets, time_major)
+        except BaseException:
+            if limiter is not None:
+                limiter.refund(batch_size * length)   # nothing was delivered
+            raise
 
+    def _draw(self, gen, batch_size, length, tail, sel, targets, time_major):
+        """``sample_sequences`` after its checks (and its rate limit): draw, gather, re-check."""
         def draw(n):
             return sel._draw(self._finder, gen, n, length, tail)
 
@@ -236,7 +269,8 @@ class Buffer(Shared):
         sel._check(self)
         return batch_size, length, int(tail), sel
 
-    def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None) -> dict:
+    def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None,
+                     timeout: float | None = None) -> dict:
         """Draw ``batch_size`` single steps uniformly, with replacement: ``{column: (batch, ...)}``.
 
         Every live step is equally likely on every draw, so a batch may hold
@@ -248,14 +282,14 @@ class Buffer(Shared):
         """
         self._check_open()
         if out is None:
-            batch = self.sample_sequences(batch_size, 1, rng=rng)
+            batch = self.sample_sequences(batch_size, 1, rng=rng, timeout=timeout)
             return {k: v[0] for k, v in batch.items()}
         if not isinstance(out, dict):
             raise ValueError(f"out must be a dict of arrays, got {type(out).__name__}")
         lifted = {k: (v[None] if isinstance(v, np.ndarray)
                       else v.unsqueeze(0) if type(v).__module__.startswith("torch") else v)
                   for k, v in out.items()}
-        self.sample_sequences(batch_size, 1, out=lifted, rng=rng)
+        self.sample_sequences(batch_size, 1, out=lifted, rng=rng, timeout=timeout)
         return out
 
     def _gather(self, rows, pending, targets, time_major, batch_size) -> None:
@@ -445,7 +479,8 @@ class Buffer(Shared):
         return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,  # type: ignore[arg-type]  # open: named
                      c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
                      len(self._ring.live_writers()), c.streams, c.samples,
-                     owner_record(self._ring.mm)[0], owner_alive(self._ring.mm))
+                     owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
+                     None if self._limiter is None else self._limiter.stats())
 
     # -- episodes and rows ------------------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:
@@ -672,7 +707,8 @@ class Buffer(Shared):
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
            prefault: bool = True, meta: dict | None = None,
-           episode_slots: int | None = None, handle_signals: bool | None = None) -> Buffer:
+           episode_slots: int | None = None, handle_signals: bool | None = None,
+           rate_limit: RateLimit | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -699,6 +735,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             process by SIGTERM; True: also chain a handler already in place;
             False: install nothing (the program handles signals itself).
             SIGINT is never touched.  Details: ``shmbuf._signals``.
+        rate_limit: a ``shmbuf.RateLimit`` that holds the train ratio
+            (replayed steps per inserted step) for every process attached to
+            the buffer: samples wait for inserts, and writers for samples
+            (see ``shmbuf.ratelimit``).  None (default): no limit.
 
     Returns:
         The owning ``Buffer``; closing it (or dropping it, or exiting, or
@@ -718,13 +758,15 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
                   done_key=done_key, episode_slots=episode_slots)
     _signals.check(handle_signals)
+    rate = check_rate_limit(rate_limit)
     raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
     segment = Segment.create(name, layout.total_bytes, populate=prefault)
     try:
         owner = (os.getpid(), my_start_time())
         Ring(segment.mmap, layout).init_chunks()
-        segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta))
+        segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta,
+                                      None if rate is None else rate._words()))
         buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
     except BaseException:
         segment.unlink()

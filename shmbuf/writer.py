@@ -38,13 +38,16 @@ class Writer:
     _slot: Slot = None  # type: ignore[assignment]  # class default: close() works after a failed constructor
 
     def __init__(self, ring: Ring, views: dict[str, np.ndarray],
-                 check_open: Callable[[], None], on_claim: Callable[[int], None] | None = None):
-        """Internal: ``Buffer.writer()`` builds writers from its ring and column views."""
+                 check_open: Callable[[], None], on_claim: Callable[[int], None] | None = None,
+                 limit=None):
+        """Internal: ``Buffer.writer()`` builds writers from its ring and column views
+        (``limit``: the buffer's rate limiter, when it makes writers wait)."""
         lay: Layout = ring.layout
         self._ring = ring
         self._closed_word = ring.closed_view  # the header's closed word, read on every call
         self._check_open = check_open
         self._on_claim = on_claim
+        self._limit = limit
         self._cols = [(c.name, views[c.name], c.dtype, c.shape) for c in lay.user_columns]
         self._names = {c.name for c in lay.user_columns}
         self._ep_col = views[EP_COLUMN]
@@ -130,14 +133,14 @@ class Writer:
         values = self._coerce_all(columns, (), "add")
         s = self._solo
         if s is None:
-            s = self._solo = self._slot.open_streams(1, self._on_claim)
+            s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
             self._fast_add = self._appender(s, "add")
         row = s.row(0)
         for (_, view, _, _), v in zip(self._cols, values):
             view[row] = v
         self._ep_col[row] = s.ep[0]
-        self._steps += 1
         s.publish(0, self._done is not None and bool(values[self._done_index]))
+        self._steps += 1
 
     def add_batch(self, **columns: Any) -> None:
         """Append one step to each of ``n_envs`` streams, from a vectorised env.
@@ -178,19 +181,19 @@ class Writer:
         values = self._coerce_all(columns, (n,), "add_batch")
         s = self._batch
         if s is None:
-            s = self._batch = self._slot.open_streams(n, self._on_claim)
+            s = self._batch = self._slot.open_streams(n, self._on_claim, self._limit)
             self._fast_batch = self._appender(s, "add_batch")
         rows = s.rows_all()
         for (_, view, _, _), v in zip(self._cols, values):
             view[rows] = v
         self._ep_col[rows] = s.ep
-        self._steps += n
         ended = None
         if self._done is not None:
             ended = values[self._done_index]
             if not np.count_nonzero(ended):
                 ended = None
         s.publish_all(ended)
+        self._steps += n
 
     def _appender(self, streams: Streams, method: str):
         """The C fast path for ``streams`` (validated once, here), or None."""
@@ -228,7 +231,7 @@ class Writer:
         values = self._coerce_all(columns, (n,), "extend")
         s = self._solo
         if s is None:
-            s = self._solo = self._slot.open_streams(1, self._on_claim)
+            s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
         ends = np.empty(0, np.int64)
         ep = s.ep[0]
         if self._done is not None:
