@@ -240,6 +240,8 @@ def from_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     for key in ("ends", "chunks"):
         if key in state:
             out[key] = _numpy(state[key], f"state[{key!r}]")
+    if "rate" in state:   # the rate limiter's counters: plain values
+        out["rate"] = state["rate"]
     return out
 
 

@@ -236,11 +236,32 @@ class _Writer:
                      for c in lay.user_columns},
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
             "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
+            **_rate_manifest(buf),
         }
 
     def close(self) -> None:
         for col in list(self.columns.values()) + [self.chunk_starts]:
             col.close()
+
+
+def _rate_manifest(buf) -> dict:
+    """The rate limit and its counters, so that a loaded buffer holds the ratio on."""
+    if buf._limiter is None:
+        return {}
+    return {"rate_limit": buf._limiter.limit().to_json(), "rate": buf._limiter.state()}
+
+
+def _rate_limit(path, manifest: dict):
+    """The manifest's ``RateLimit`` (or None); CorruptSaveError if it is not one."""
+    from .ratelimit import RateLimit
+
+    spec = manifest.get("rate_limit")
+    if spec is None:
+        return None
+    try:
+        return RateLimit(**spec)
+    except (TypeError, ValueError) as exc:
+        raise _bad(path, f"its rate_limit {spec!r} is not a RateLimit ({exc})") from None
 
 
 def _write_manifest(path: str, manifest: dict, durable: bool) -> None:
@@ -511,7 +532,8 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
                        chunk_size=manifest["chunk_size"] if same else None,
                        max_writers=min(writers, NO_SLOT - 1),
                        done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
-                       handle_signals=handle_signals)
+                       handle_signals=handle_signals, rate_limit=_rate_limit(path, manifest))
+    state["rate"] = manifest.get("rate")
     try:
         buf.restore(state)
     except BaseException:

@@ -28,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from ._args import check_int
-from ._errors import BufferClosedError
+from ._errors import BufferClosedError, WaitTimeoutError
 
 _JOIN_S = 60.0      # bound on the wait for a thread that finishes its batch
 _POLL_S = 1.0       # how often a waiting consumer re-checks that the thread lives
@@ -214,7 +214,8 @@ def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
             slot = slots[i]
             if stream is not None:
                 slot.copied.synchronize()   # the previous copy out of this host buffer is done
-            buffer.sample_sequences(**args, out=slot.host, rng=gen)
+            if not _sample(state, buffer, args, slot, gen):
+                return   # closed while the rate limit made the thread wait
             if stream is not None:
                 _to_device(slot, stream)
             with state.cond:
@@ -227,6 +228,25 @@ def _fill(state: _State, slots, buffer, args, gen, stream) -> None:
         with state.cond:
             state.error = exc
             state.cond.notify_all()
+
+
+def _sample(state: _State, buffer, args, slot: _Slot, gen) -> bool:
+    """Sample into ``slot``; False if the prefetcher was closed while a rate limit held it.
+
+    Under a rate limit the thread waits for inserts in slices of ``_POLL_S``,
+    so that ``close()`` never waits for writers.  The batch takes its budget
+    when it is drawn, so a prefetched batch never consumed still counts.
+    """
+    if buffer._limiter is None:
+        buffer.sample_sequences(**args, out=slot.host, rng=gen)
+        return True
+    while not state.stop:
+        try:
+            buffer.sample_sequences(**args, out=slot.host, rng=gen, timeout=_POLL_S)
+            return True
+        except WaitTimeoutError:
+            continue
+    return False
 
 
 def _to_device(slot: _Slot, stream) -> None:

@@ -247,9 +247,10 @@ class Limiter:
                          insert_ns / 1e9)
 
     def state(self) -> dict:
-        """The counters a checkpoint carries (plain ints)."""
+        """The counters a checkpoint carries (plain values), and the tolerance reached."""
         inserted, replayed, _, _ = self.words.counts()
-        return {"inserted": int(inserted), "replayed": int(replayed)}
+        return {"inserted": int(inserted), "replayed": int(replayed),
+                "tolerance": self.words.tolerance()}
 
     def restore(self, state) -> None:
         """Continue from a checkpoint's ``state()`` (after its steps were written back)."""
@@ -257,6 +258,9 @@ class Limiter:
             raise ValueError(f"state['rate'] must be a dict of counts, got {state!r}")
         inserted = check_int("state['rate']['inserted']", state.get("inserted"), 0, (1 << 63) - 1)
         replayed = check_int("state['rate']['replayed']", state.get("replayed"), 0, (1 << 63) - 1)
+        tol = state.get("tolerance")
+        if self.auto and isinstance(tol, (int, float)) and math.isfinite(tol):
+            self._tolerance = self.words.widen(float(tol))   # the batches it had seen
         self.words.set_counts(inserted, replayed)
 
 

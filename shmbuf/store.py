@@ -590,7 +590,7 @@ class Buffer(Shared):
             >>> np.savez("ckpt.npz", **buf.snapshot()["columns"])
         """
         self._check_open()
-        return _checkpoint.snapshot(self._ring, self._views)
+        return self._with_rate(_checkpoint.snapshot(self._ring, self._views))
 
     def restore(self, state: dict) -> None:
         """Replace the contents with a ``snapshot()``; the capacity stays this buffer's.
@@ -608,6 +608,7 @@ class Buffer(Shared):
         """
         self._check_open()
         _checkpoint.restore(self, self._ring, state)
+        self._restore_rate(state)
 
     # -- saving to disk ---------------------------------------------------------------
     def save(self, path, *, follow: bool = False, overwrite: bool = False,
@@ -672,7 +673,7 @@ class Buffer(Shared):
             >>> torch.save(buf.state_dict(), "replay.pt")
         """
         self._check_open()
-        return _checkpoint.state_dict(self._ring, self._views)
+        return self._with_rate(_checkpoint.state_dict(self._ring, self._views))
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the contents with a ``state_dict()``; the capacity stays this buffer's.
@@ -687,7 +688,21 @@ class Buffer(Shared):
             >>> buf.load_state_dict(torch.load("replay.pt", weights_only=True))
         """
         self._check_open()
-        _checkpoint.restore(self, self._ring, _checkpoint.from_state_dict(state))
+        state = _checkpoint.from_state_dict(state)
+        _checkpoint.restore(self, self._ring, state)
+        self._restore_rate(state)
+
+    def _with_rate(self, state: dict) -> dict:
+        """A checkpoint with the rate limiter's counters (``"rate"``), if the buffer has one."""
+        if self._limiter is not None:
+            state["rate"] = self._limiter.state()
+        return state
+
+    def _restore_rate(self, state: dict) -> None:
+        """After a restore: continue the checkpoint's rate counters, so that a resumed run
+        holds its ratio from where it stopped instead of catching up in a burst."""
+        if self._limiter is not None and state.get("rate") is not None:
+            self._limiter.restore(state["rate"])
 
     # -- lifecycle ----------------------------------------------------------------
     def _release(self) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .._errors import NotEnoughDataError
+from ..ratelimit import RateLimit
 from ._base import register
 from .._args import check_int
 from . import _torch_batches
@@ -42,6 +43,12 @@ class ReplayBuffer(TransitionFacade):
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None); ``ReplayBuffer.attach(name)``
             opens the same buffer in another process.
+        train_ratio: hold DreamerV3's train ratio (replayed steps per added
+            step) across every process that adds or samples: a number for
+            ``shmbuf.RateLimit(train_ratio, min_steps=seq_len * batch_size)``
+            (one batch of steps before the first sample), or a
+            ``RateLimit`` for full control.  None (default): no limit.
+            ``sample()`` then waits for adds, and ``add`` for samples.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it; nothing is created.
@@ -56,10 +63,14 @@ class ReplayBuffer(TransitionFacade):
     FACADE = "torchwm.dreamer.ReplayBuffer"
 
     def __init__(self, size: int, obs_shape: tuple, action_size: int, seq_len: int = 50,
-                 batch_size: int = 50, *, seed=None, name: str | None = None):
+                 batch_size: int = 50, *, seed=None, name: str | None = None,
+                 train_ratio=None):
         params = transition_params(size, obs_shape, action_size, seq_len, batch_size, frames=0)
+        limit = train_ratio
+        if train_ratio is not None and not isinstance(train_ratio, RateLimit):
+            limit = RateLimit(train_ratio, min_steps=params["seq_len"] * params["batch_size"])
         self._create(transition_spec(params["obs_shape"], params["action_size"]),
-                     params["size"], params, name=name, seed=seed)
+                     params["size"], params, name=name, seed=seed, rate_limit=limit)
 
     def add(self, obs: Mapping, action, reward, done) -> None:
         """Append one transition from this process.
