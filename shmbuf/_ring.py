@@ -165,11 +165,19 @@ class RateWords:
         atomic.fetch_add(self.mm, self.off[side + "_wait_ns"], ns)
 
     def counts(self) -> tuple[int, int, int, int]:
-        """(inserted, replayed, sample wait ns, insert wait ns); inserted is clock + base."""
-        clock = atomic.load_acquire(self.mm, _CLOCK)
+        """(inserted, replayed, sample wait ns, insert wait ns); inserted is clock + base.
+
+        The clock is read before and after ``replayed``, until it did not move
+        (a bounded number of tries): then the pair is one instant's, which the
+        band holds at (both words only grow).
+        """
+        for _ in range(64):
+            clock = atomic.load_acquire(self.mm, _CLOCK)
+            replayed = atomic.load_acquire(self.mm, _REPLAYED)
+            if atomic.load_acquire(self.mm, _CLOCK) == clock:
+                break
         inserted = (clock + self._load("base")) & _U64
-        return (inserted, atomic.load_acquire(self.mm, _REPLAYED), self._load("sample_wait_ns"),
-                self._load("insert_wait_ns"))
+        return (inserted, replayed, self._load("sample_wait_ns"), self._load("insert_wait_ns"))
 
     def set_counts(self, inserted: int, replayed: int) -> None:
         """Continue from a checkpoint's counts: inserted (through ``base``) and replayed.

@@ -262,3 +262,11 @@ def test_the_dreamer_facade_takes_train_ratio(make_buffer):
         again.close()
     finally:
         rb.close()
+
+
+def test_kill_loop_writers_and_trainers_no_hang_no_lost_step():
+    from helpers import rate_kill_loop
+
+    report = rate_kill_loop.run(rounds=8, seed=3)
+    assert report.rounds == 8 and report.steps_checked > 0, report.line()
+    assert (report.hangs, report.lost, report.outside_band) == (0, 0, 0), report.line()
