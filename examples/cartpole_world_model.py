@@ -11,6 +11,11 @@ pipe, no queue.  Meanwhile the trainer
 - improves the policy (logistic, 5 weights) with REINFORCE on the newest whole
   episodes (``iter_episodes``) and publishes it to the actors.
 
+The buffer holds DreamerV3's train ratio (``shmbuf.RateLimit``, ``--train-ratio``):
+each batch replays 64 x 8 steps, and actors and trainer wait for each other so that
+the steps replayed stay within a batch of ``train_ratio`` times the steps the actors
+recorded after the first 2,000.  The progress lines print the ratio achieved.
+
     python examples/cartpole_world_model.py            # about a minute on 2 cores
     python examples/cartpole_world_model.py --quick    # a few seconds (CI)
 """
@@ -46,7 +51,10 @@ def make_env():
 
 def actor(buf, block, stop, seed):
     os.nice(5)  # the trainer first: actors have more than enough data to give
-    run_actor(make_env, buf, Policy(seed), params=block, stop=stop, seed=seed)
+    try:
+        run_actor(make_env, buf, Policy(seed), params=block, stop=stop, seed=seed)
+    except shmbuf.BufferClosedError:
+        pass   # the trainer is done: an actor waiting on the rate limit stops here
 
 
 def world_model():
@@ -115,6 +123,8 @@ def main():
                         help="world-model updates (a policy update every 10)")
     parser.add_argument("--quick", action="store_true", help="300 updates (CI)")
     parser.add_argument("--capacity", type=int, default=100_000)
+    parser.add_argument("--train-ratio", type=float, default=32.0,
+                        help="replayed steps per recorded step (DreamerV3's Atari value)")
     args = parser.parse_args()
     updates = 300 if args.quick else args.updates
     import torch  # here, not at the top: the spawned actors never import torch
@@ -131,7 +141,9 @@ def main():
 
     ctx = mp.get_context("spawn")
     stop = ctx.Event()
-    with shmbuf.create(spec_for(make_env()), capacity=args.capacity, seed=0) as buf, \
+    limit = shmbuf.RateLimit(args.train_ratio, min_steps=2_000, writer_timeout=60)
+    with shmbuf.create(spec_for(make_env()), capacity=args.capacity, seed=0,
+                       rate_limit=limit) as buf, \
             ParamBlock.create(weights_of(policy)) as block:
         block.publish(weights_of(policy))
         procs = [ctx.Process(target=actor, args=(buf, block, stop, seed))
@@ -157,21 +169,24 @@ def main():
                         s = buf.stats()
                         print(f"update {update:5d}  world-model loss {np.mean(losses[-50:]):.4f}  "
                               f"return {returns[-1]:6.1f}  policy v{block.version():<4d} "
-                              f"env steps {s.steps_written:7d}  "
+                              f"env steps {s.steps_written:7d}  train ratio {s.rate.ratio:5.1f}  "
                               f"{time.perf_counter() - start:5.1f} s", flush=True)
+            s, held = buf.stats(), len(buf.episodes())
         finally:
             stop.set()
+            buf.close()   # actors still waiting on the rate limit stop
             for p in procs:
                 p.join(timeout=60)
             for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
-        s, returns = buf.stats(), returns or [float("nan")]
+        returns = returns or [float("nan")]
         print(f"done: {updates} updates, {s.steps_written} env steps from {args.actors} actors, "
-              f"{len(buf.episodes())} episodes, policy v{block.version()}, return "
+              f"{held} episodes, policy v{block.version()}, return "
               f"{returns[0]:.1f} -> {np.mean(returns[-5:]):.1f}, world-model loss "
-              f"{np.mean(losses[:20]):.3f} -> {np.mean(losses[-50:]):.4f}, "
+              f"{np.mean(losses[:20]):.3f} -> {np.mean(losses[-50:]):.4f}, train ratio "
+              f"{s.rate.ratio:.2f} (target {s.rate.train_ratio:g}), "
               f"exit codes {[p.exitcode for p in procs]}")
 
 

@@ -5,7 +5,14 @@ buffer.  The trainer learns to predict each step's reward from its frame with a 
 conv net, on batches that ``buf.prefetch`` samples in a background thread while the
 model computes.  It prints a progress line and runs in well under a minute on a CPU.
 
+The buffer holds a train ratio (``shmbuf.RateLimit``): each batch replays
+``batch_size * length`` steps, and the workers and the trainer wait for each other so
+that the steps replayed stay within one batch of ``train_ratio`` times the steps the
+workers added (after ``min_steps``), however fast each side runs.  The progress lines
+print the ratio achieved.  ``--train-ratio 0`` turns the limit off.
+
     python examples/train_prefetch.py [--workers 2] [--env-steps 3000] [--train-steps 100]
+                                      [--train-ratio 8]
 
 Note: this module imports torch only inside ``train``.  A spawned worker re-imports
 the main module; if torch were imported at the top, every worker would pay about
@@ -45,7 +52,10 @@ def env_worker(name: str, seed: int, steps: int, episode_len: int = 100) -> None
             action = rng.uniform(-2, 2, 2).astype(np.float32)
             reward = 1.0 - np.abs(pos - 16).sum() / 24
             done = t % episode_len == episode_len - 1
-            w.add(obs=frame_of(pos), action=action, reward=reward, done=done)
+            try:
+                w.add(obs=frame_of(pos), action=action, reward=reward, done=done)
+            except shmbuf.BufferClosedError:
+                return   # the trainer is done (a rate-limited add may be waiting for it)
             pos = rng.uniform(4, 28, 2) if done else np.clip(pos + action, 3, 29)
 
 
@@ -74,8 +84,10 @@ def train(buf, steps: int, batch_size: int, length: int, log) -> float:
             loss = loss_t.item()
             if step % 25 == 0 or step == steps:
                 rate = step / (time.perf_counter() - t0)
+                limit = buf.stats().rate
+                ratio = f"  train ratio {limit.ratio:5.2f}" if limit else ""
                 log(f"step {step:4d}/{steps}  loss {loss:.4f}  buffer {len(buf):6d} steps  "
-                    f"{rate:5.1f} batches/s")
+                    f"{rate:5.1f} batches/s{ratio}")
     return loss
 
 
@@ -87,27 +99,39 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--length", type=int, default=8)
     ap.add_argument("--capacity", type=int, default=20_000)
+    ap.add_argument("--train-ratio", type=float, default=8.0,
+                    help="replayed steps per env step (0: no limit)")
     args = ap.parse_args(argv)
     ctx = mp.get_context("spawn")
-    with shmbuf.create(SPEC, capacity=args.capacity) as buf:
+    min_steps = args.batch_size * args.length
+    limit = shmbuf.RateLimit(args.train_ratio, min_steps=min_steps, writer_timeout=60) \
+        if args.train_ratio else None
+    with shmbuf.create(SPEC, capacity=args.capacity, rate_limit=limit) as buf:
         procs = [ctx.Process(target=env_worker, args=(buf.name, seed, args.env_steps))
                  for seed in range(args.workers)]
         try:
             for p in procs:
                 p.start()
-            buf.wait_ready(min_steps=args.batch_size * args.length, timeout=60)
+            buf.wait_ready(min_steps=min_steps, timeout=60)
             loss = train(buf, args.train_steps, args.batch_size, args.length,
                          lambda line: print(line, flush=True))
+            s = buf.stats()
+            if limit is None:
+                for p in procs:
+                    p.join(60)
+        finally:
+            buf.close()   # workers still waiting on the rate limit stop here
             for p in procs:
                 p.join(60)
-        finally:
-            for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join(60)
         codes = [p.exitcode for p in procs]
+        ratio = (f", train ratio {s.rate.ratio:.2f} (target {s.rate.train_ratio:g}, "
+                 f"{s.rate.replayed} replayed / {s.rate.inserted - min_steps} added)"
+                 if s.rate else "")
         print(f"done: {args.train_steps} training steps, final loss {loss:.4f}, "
-              f"{buf.stats().steps_written} env steps from {args.workers} workers, "
+              f"{s.steps_written} env steps from {args.workers} workers{ratio}, "
               f"exit codes {codes}")
     return 0 if codes == [0] * args.workers else 1
 
