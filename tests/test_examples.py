@@ -30,6 +30,8 @@ def test_cartpole_world_model_quick_run_learns_and_exits_cleanly():
     last = lines[-1]
     assert last.startswith("done: 300 updates") and "policy v31," in last
     assert last.endswith("exit codes [0, 0, 0, 0]")
+    ratio = float(re.search(r"train ratio ([\d.]+) \(target 32\)", last).group(1))
+    assert abs(ratio - 32) <= 32 * 0.1   # held within a batch (512 of ~150k replayed)
     first_loss, last_loss = map(float, re.search(r"world-model loss ([\d.]+) -> ([\d.]+)",
                                                  last).groups())
     assert last_loss < first_loss / 2  # the world model learns from the sampled sequences
@@ -45,6 +47,9 @@ def test_train_prefetch_trains_on_spawned_workers():
     lines = got.stdout.strip().splitlines()
     assert any(line.startswith("step   25/25  loss") for line in lines)
     assert lines[-1].startswith("done: 25 training steps") and "exit codes [0, 0]" in lines[-1]
+    replayed, added = map(int, re.search(r"\(target 8, (\d+) replayed / (\d+) added\)",
+                                         lines[-1]).groups())
+    assert abs(replayed - 8 * added) <= 16 * 8   # within the band: one batch of 16 x 8
 
 
 # One example per seed facade: (script, arguments, the lines its output must hold).

@@ -425,6 +425,26 @@ def test_an_idle_shipping_writer_frees_its_shard_slot_and_can_go_on(cluster):
         rb.close()
 
 
+def test_each_shard_holds_the_rate_limit_on_its_own_steps(cluster):
+    _, ids, _ = cluster
+    limit = shmbuf.RateLimit(2, min_steps=16, block_writers=False)
+    rb = sray.create(SPEC, 2_000, namespace=NS, nodes=[ids["n0"]], chunk_size=64,
+                     rate_limit=limit)
+    try:
+        here = rb.writer()                  # this node's shard, through shared memory
+        for s in range(100):
+            here.add(wid=0, step=s, obs=np.full((3, 8, 8), s % 251, np.uint8),
+                     done=(s % EPISODE == EPISODE - 1))
+        check_windows(rb.sample_sequences(4, 8), 8)
+        with shmbuf.attach(rb.stats()[0].buffer) as shard:
+            assert shard.rate_limit == limit
+            r = shard.stats().rate
+            assert (r.inserted, r.replayed) == (100, 32)
+        here.close()
+    finally:
+        rb.close()
+
+
 def test_prefetch_yields_valid_batches_and_stops(cluster, rb):
     _, _, agents = cluster
     ray.get(agents["n1"].run.remote(write_episodes, rb, 1, 500), timeout=T)

@@ -32,7 +32,7 @@ from shmbuf.ray.dreamer import ReplayBuffer
 
 log = logging.getLogger("shmbuf.ray")
 _OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault",
-            "remote_idle_s")
+            "remote_idle_s", "rate_limit")
 
 
 def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
@@ -58,6 +58,14 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
             ``remote_idle_s`` (600): a shipping writer that sends nothing for
             that long has its shard stream sealed and its writer slot freed
             (a later block opens a new stream, cutting its episode there).
+            ``rate_limit`` (a ``shmbuf.RateLimit``): every shard holds it
+            on its own steps, with the same semantics as one buffer: a
+            shard's share of a global batch waits for that shard's inserts,
+            and its writers (local or shipped) for its samples.  Shares
+            follow valid windows, not insert rates, so the global ratio is
+            the sum of the shards' (each within its own band: the global lag
+            is within shards x tolerance); a shard whose writers run slower
+            than its share holds the global batch back.
 
     Raises:
         ValueError: a bad name or option; a shard named like this exists.
