@@ -109,9 +109,10 @@ COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "clock": 320, "sa
             "replayed": 448, "serial": 512, "rate": 576,
             "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
             "sampled_rows": 896}
-# The rate limiter's line (at COUNTERS["rate"]): flags (RATE_ON, RATE_BLOCK_WRITERS, RATE_AUTO_TOLERANCE),
-# train_ratio and writer_timeout as IEEE double bits (timeout: all ones for None),
-# min_steps, tolerance as double bits (auto: train_ratio, then widened to the largest batch),
+# The rate limiter's line (at COUNTERS["rate"]): flags (RATE_ON, RATE_BLOCK_WRITERS,
+# RATE_AUTO_TOLERANCE), train_ratio and writer_timeout as IEEE double bits (timeout:
+# all ones for None), min_steps, tolerance as double bits (auto: train_ratio, then
+# widened to the largest batch),
 # the nanoseconds samplers and writers spent waiting (fetch-add), and a restore's
 # base (int64 two's complement: inserted = clock + base).  Constants are written
 # with the header, before its magic is published; 0 flags: no limit.

@@ -111,6 +111,9 @@ class Writer:
                 would lose information; nothing is written.
             BufferClosedError: the writer or the buffer is closed, here or by
                 its owner in another process (or by ``shmbuf rm`` / ``gc``).
+            WaitTimeoutError: the buffer's rate limit (``RateLimit``, with
+                ``block_writers``) made the step wait ``writer_timeout``
+                seconds for samples; nothing was published.
 
         Example:
             >>> w = buf.writer()
@@ -221,6 +224,8 @@ class Writer:
                 a run longer than the capacity, a wrong shape, a lossy cast
                 or a ``done`` that is not 0/1; nothing is written.
             BufferClosedError: the writer or the buffer is closed.
+            WaitTimeoutError: as ``add``; the chunk segments of the run
+                published before the wait stay (a reader sees a prefix).
 
         Example:
             >>> w.extend(obs=frames, action=acts, reward=rews, done=dones)  # (T, ...) each
