@@ -270,3 +270,21 @@ def test_kill_loop_writers_and_trainers_no_hang_no_lost_step():
     report = rate_kill_loop.run(rounds=8, seed=3)
     assert report.rounds == 8 and report.steps_checked > 0, report.line()
     assert (report.hangs, report.lost, report.outside_band) == (0, 0, 0), report.line()
+
+
+def test_dataloader_workers_draw_from_the_same_budget(make_buffer):
+    ratio, m = 2, 16
+    buf = make_buffer(SPEC, 4096, rate_limit=RateLimit(ratio, min_steps=m, writer_timeout=None))
+    w = writer(buf.name, 400)
+    try:
+        loader = torch.utils.data.DataLoader(buf.dataset(4, 2), batch_size=None, num_workers=2)
+        it = iter(loader)
+        for _ in range(20):
+            batch = next(it)
+            assert batch["x"].shape == (2, 4)
+        r = buf.stats().rate
+        # The workers' batches in flight (prefetched by the loader) count too.
+        assert r.replayed >= 20 * 8 and r.lag <= r.tolerance
+        del it, loader
+    finally:
+        w.close()
