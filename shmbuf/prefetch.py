@@ -237,7 +237,7 @@ def _sample(state: _State, buffer, args, slot: _Slot, gen) -> bool:
     so that ``close()`` never waits for writers.  The batch takes its budget
     when it is drawn, so a prefetched batch never consumed still counts.
     """
-    if buffer._limiter is None:
+    if getattr(buffer, "_limiter", None) is None:   # no limit (a sharded buffer: per shard)
         buffer.sample_sequences(**args, out=slot.host, rng=gen)
         return True
     while not state.stop:
