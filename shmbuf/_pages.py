@@ -11,7 +11,7 @@ import numpy as np
 
 from ._layout import PAGE, Layout
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not among Python 3.11's mmap constants
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14; not among Python 3.11's mmap constants
 
 
 class ChunkPages:
@@ -34,7 +34,7 @@ class ChunkPages:
             start = col.offset + first * col.row_bytes
             aligned = start - start % PAGE
             try:
-                self._mm.madvise(_MADV_POPULATE_WRITE, aligned,
+                self._mm.madvise(MADV_POPULATE_WRITE, aligned,
                                  start + rows * col.row_bytes - aligned)
             except OSError:
                 self._unmapped = None  # kernels before 5.14: pages fault in as written

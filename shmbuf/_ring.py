@@ -15,6 +15,13 @@ dead (pid + start time) and takes over.
 Where a step becomes visible: ``Streams.publish`` stores the chunk's new row
 count with release order after every column of the row was written, so a
 reader that sees the count sees the row.
+
+Where pages are reserved (``_space``): the claimant of chunk ticket ``t``
+of the first lap reserves chunk ``t``'s entry and rows before its CAS moves
+the ticket past ``t``, and the writer of episode entry ``i`` reserves it
+before the episode ticket moves past ``i``.  So every chunk entry, chunk row
+and episode entry that a reader may look at (below the tickets it loaded)
+is reserved: readers never touch a page that could raise SIGBUS.
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ import struct
 import numpy as np
 
 from . import _atomic as atomic
-from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError
+from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError, SharedMemoryFullError
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
                       EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, NO_TIMEOUT, RATE_FIELDS,
                       SEALED, SLOT_ENTRY,
@@ -39,6 +46,7 @@ _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
 _NEXT, _NEXT_SEQ = CHUNK_FIELDS["next"] // 8, CHUNK_FIELDS["next_seq"] // 8
 _STARTS_MAX = (1 << STARTS_BITS) - 1
+_EPISODE_GRANULE = 1024  # episode-index entries reserved at a time (64 KiB)
 # Fields of an episode entry after its seq, in the order a writer stores them.
 _EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flags")
 (_E_SEQ, _E_STREAM, _E_CHUNK, _E_CHUNK_SEQ, _E_OFFSET, _E_LENGTH, _E_EP,
@@ -314,11 +322,14 @@ class Episodes:
 class Ring:
     """The header of one mapped step store, seen through its atomic words."""
 
-    def __init__(self, mm, layout: Layout, name: str | None = None):
+    def __init__(self, mm, layout: Layout, name: str | None = None, space=None):
         self.mm = mm
         self.layout = layout
         self.name = name
         self.rate = RateWords(mm)      # the rate limiter's words (unused without a limit)
+        # None or full: every page is reserved already (prefault, keyed rings, the CLI)
+        self.space = None if space is None or space.full else space
+        self._episodes_reserved = 0  # index entries below it are known to be reserved
         mark = ClosedMark(mm, name)
         self.closed_view = mark.view   # the writer's C fast path reads it too
         self.check_open = mark.check   # check_open(pid): see ClosedMark
@@ -348,10 +359,56 @@ class Ring:
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
 
-    def init_chunks(self) -> None:
-        """A new segment: every chunk free (sealed, ownerless, empty)."""
-        self.chunk_table[:, _STATE] = pack_chunk_state(0, True, NO_SLOT, 0)
-        atomic.fence_seq_cst()
+    # -- reserving pages before a ticket makes them readable (see _space) -----------
+    def _take(self, name: str, prepare) -> int:
+        """Add 1 to counter ``name`` and return its value before, calling
+        ``prepare(value)`` first, so that the pages ``value`` makes readable are
+        reserved before anyone can see it.  A ``prepare`` that raises leaves the
+        counter as it was."""
+        if self.space is None:
+            return self.bump(name)
+        off = COUNTERS[name]
+        value = atomic.load_acquire(self.mm, off)
+        while True:
+            prepare(value)
+            if atomic.compare_exchange(self.mm, off, value, value + 1):
+                return value
+            value = atomic.load_acquire(self.mm, off)
+
+    def _reserve_chunk(self, ticket: int) -> None:
+        """Before ``ticket``'s claim: a chunk of the first lap gets its entry and rows
+        reserved, and the episode index room for one episode end per row."""
+        lay, chunk = self.layout, ticket
+        rows = int(self.chunk_rows[chunk % lay.n_chunks])
+        if chunk < lay.n_chunks:
+            first = int(self.chunk_base[chunk])
+            what = (f"chunk {chunk} ({rows} steps, {rows * sum(c.row_bytes for c in lay.columns)}"
+                    " bytes over all columns)")
+            self.space.reserve(lay.chunk_field(chunk, "state"), CHUNK_ENTRY, what)
+            for col in lay.columns:
+                self.space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
+        self._reserve_episodes(self.counter("episode_ticket") + rows)
+
+    def _reserve_episodes(self, upto: int) -> None:
+        """Reserve episode-index entries below ``upto`` (whole granules), unless known done."""
+        slots = self.layout.episode_slots
+        upto = min(upto, slots)
+        if upto <= self._episodes_reserved:
+            return
+        lo = self._episodes_reserved - self._episodes_reserved % _EPISODE_GRANULE
+        hi = min(slots, -(-upto // _EPISODE_GRANULE) * _EPISODE_GRANULE)
+        self.space.reserve(self.layout.episode_field(lo, "seq"), (hi - lo) * EPISODE_ENTRY,
+                           f"episode index entries {lo}-{hi - 1}")
+        self._episodes_reserved = hi
+
+    def _reserve_episode(self, i: int) -> None:
+        # Entries below a ticket someone took are reserved: that taker did it.
+        self._episodes_reserved = max(self._episodes_reserved, min(i, self.layout.episode_slots))
+        self._reserve_episodes(i + 1)
+
+    def claimed_chunks(self) -> int:
+        """Chunks claimed so far (at most all): readers look at no entry at or above it."""
+        return min(self.counter("ticket"), self.layout.n_chunks)
 
     # -- the closed mark ----------------------------------------------------------
     def closed(self) -> int:
@@ -393,7 +450,7 @@ class Ring:
 
     # The sums are relaxed loads; the fence orders them before any later load.
     def live_steps(self) -> int:
-        total = int(self.count.sum())
+        total = int(self.count[:self.claimed_chunks()].sum())
         atomic.fence_acquire()
         return total
 
@@ -414,7 +471,8 @@ class Ring:
         live = self.live_steps()
         written = self.steps_written()
         episodes = int(self.slot_table[:, SLOT_FIELDS["episodes"] // 8].sum())
-        return Counts(evicted, live, written, episodes, int(np.count_nonzero(self.count)),
+        in_use = int(np.count_nonzero(self.count[:self.claimed_chunks()]))
+        return Counts(evicted, live, written, episodes, in_use,
                       self.counter("next_stream"), self.counter("samples"),
                       self.counter("sampled_rows"), self.counter("episode_ticket"))
 
@@ -474,10 +532,14 @@ class Ring:
 
         Round-robin tickets make the chunk claimed longest ago the next one
         recycled: FIFO eviction across all writers.
+
+        Raises:
+            SharedMemoryFullError: /dev/shm cannot hold the chunk's pages;
+                nothing changed, and a later claim may succeed.
         """
         n = self.layout.n_chunks
         for _ in range(2 * n + 2):
-            ticket = self.bump("ticket")
+            ticket = self._take("ticket", self._reserve_chunk)
             seq = self.recycle(ticket % n, slot, lease, stream, ticket)
             if seq is not None:
                 return ticket % n, seq
@@ -497,7 +559,7 @@ class Ring:
         off = self.layout.chunk_field(chunk, "state")
         state = atomic.load_acquire(self.mm, off)
         seq, sealed, owner, owner_lease = unpack_chunk_state(state)
-        busy = seq & 1 or not sealed
+        busy = state and (seq & 1 or not sealed)  # state 0: never claimed
         if busy and owner != NO_SLOT and self.slot_alive(owner, owner_lease):
             return None  # a live writer is still filling (or resetting) it
         odd = (seq + 1 + (seq & 1)) & _U32
@@ -533,9 +595,13 @@ class Ring:
                                 pack_chunk_state(seq, True, slot, lease))
 
     def clear(self) -> None:
-        """Empty every chunk that no live writer is filling (restore's first step)."""
-        for chunk in range(self.layout.n_chunks):
-            self.recycle(chunk, NO_SLOT, 0, 0, self.bump("ticket"))
+        """Empty every chunk that no live writer is filling (restore's first step).
+
+        Only claimed chunks hold anything; each keeps its ticket, so the
+        tickets still say which chunks are reserved.
+        """
+        for chunk in range(self.claimed_chunks()):
+            self.recycle(chunk, NO_SLOT, 0, 0, int(self.chunk_table[chunk, _TICKET]))
 
     # -- reading the chunk table ----------------------------------------------------
     def committed_counts(self, claimed: int | None = None) -> np.ndarray:
@@ -543,7 +609,7 @@ class Ring:
 
         Clipped: a corrupt count must never make a reader index past a chunk.
         """
-        n = self.layout.n_chunks if claimed is None else claimed
+        n = self.claimed_chunks() if claimed is None else claimed
         counts = np.clip(self.count[:n].view(np.int64), 0, self.chunk_rows[:n])
         atomic.fence_acquire()
         return counts
@@ -561,10 +627,11 @@ class Ring:
         The seqs are loaded before the counts (acquire), so a caller that
         copies the rows and then finds ``unchanged`` true holds whole steps.
         """
-        table = self.chunk_table
+        claimed = self.claimed_chunks()
+        table = self.chunk_table[:claimed]
         seq = (table[:, _STATE] >> np.uint64(32)).astype(np.int64)
         atomic.fence_acquire()
-        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows)
+        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows[:claimed])
         order = np.argsort(table[:, _TICKET], kind="stable")
         order = order[(counts[order] > 0) & (seq[order] & 1 == 0)]
         return Chunks(order.astype(np.int64), seq[order], counts[order],
@@ -591,10 +658,11 @@ class Ring:
         closed) or its writer died.  The state is loaded before the count
         (acquire), so a sealed chunk's count is its last.
         """
-        table = self.chunk_table
+        claimed = self.claimed_chunks()
+        table = self.chunk_table[:claimed]
         state = table[:, _STATE].copy()
         atomic.fence_acquire()
-        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows)
+        counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows[:claimed])
         seq = (state >> np.uint64(32)).astype(np.int64)
         final = (state & np.uint64(SEALED)) != 0
         for chunk in np.flatnonzero(~final & (counts > 0) & (seq & 1 == 0)):
@@ -630,8 +698,13 @@ class Ring:
         seq set to 2i+2 by CAS: readers accept an entry only when its seq is
         2i+2 before and after they read the body.  An entry a later lap has
         already claimed is left alone (this episode is too old to index).
+        Chunk claims reserve the index ahead; if /dev/shm filled up since, the
+        episode is not indexed rather than the finished step reported failed.
         """
-        i = self.bump("episode_ticket")
+        try:
+            i = self._take("episode_ticket", self._reserve_episode)
+        except SharedMemoryFullError:
+            return  # /dev/shm is full: the episode stays out of the index (claims raise)
         entry = i % self.layout.episode_slots
         seq_off = self.layout.episode_field(entry, "seq")
         old = atomic.load_acquire(self.mm, seq_off)
@@ -651,6 +724,8 @@ class Ring:
     def read_episodes(self, indices: np.ndarray) -> Episodes:
         """The published entries among episode ``indices`` whose first chunk is intact."""
         indices = np.asarray(indices, np.int64)
+        # Only entries below the ticket are reserved pages (and only they can be published).
+        indices = indices[(indices >= 0) & (indices < self.episodes_logged())]
         entries = indices % self.layout.episode_slots
         table = self.episode_table
         # A seqlock read: seq, body, seq again, each step ordered by a fence.
@@ -663,7 +738,7 @@ class Ring:
         want = 2 * indices + 2
         ok = (before == want) & (after == want)
         chunk, length = body[:, _E_CHUNK], body[:, _E_LENGTH]
-        ok &= (chunk >= 0) & (chunk < self.layout.n_chunks) & (length > 0)
+        ok &= (chunk >= 0) & (chunk < self.claimed_chunks()) & (length > 0)
         chunk = np.where(ok, chunk, 0)
         ok &= ((self.chunk_table[chunk, _STATE] >> np.uint64(32)).astype(np.int64)
                == body[:, _E_CHUNK_SEQ])

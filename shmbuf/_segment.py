@@ -19,11 +19,13 @@ import numpy as np
 import posix_ipc
 
 from . import _ring
-from ._layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, decode_header
+from ._layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, PAGE, decode_header
 from ._wait import poll
 from ._errors import (BufferClosedError, CorruptSegmentError, OwnerAliveError, SegmentExistsError, SegmentNotFoundError, SegmentPermissionError,
                       SharedMemoryFullError)
+from ._pages import MADV_POPULATE_WRITE
 from ._procs import my_start_time
+from ._space import Space
 
 ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
 PREFIX = "shmbuf-"
@@ -103,13 +105,19 @@ class Segment:
     name: str = None  # type: ignore[assignment]  # set by _wrap
     size = 0
     owner = False
+    space: Space | None = None  # the pages reserved, through a descriptor kept open
 
     @classmethod
-    def create(cls, name: str, size: int, *, populate: bool = True) -> "Segment":
-        """Create ``name`` with O_CREAT|O_EXCL, mode 0600, all ``size`` bytes reserved."""
+    def create(cls, name: str, size: int, *, reserve: int | None = None,
+               populate: bool = True) -> "Segment":
+        """Create ``name`` with O_CREAT|O_EXCL, mode 0600, ``size`` bytes long.
+
+        The first ``reserve`` bytes (all if None) are reserved now, the rest
+        as it fills (``_space``); ``populate`` maps the reserved pages now.
+        """
         reservation = Reservation(name)
         try:
-            return reservation.allocate(size, populate=populate)
+            return reservation.allocate(size, reserve=reserve, populate=populate)
         except BaseException:
             reservation.unlink()
             raise
@@ -125,16 +133,18 @@ class Segment:
         try:
             size = shm.size
             mm = mmap.mmap(shm.fd, size, flags=mmap.MAP_SHARED) if size else None
+            fd = os.dup(shm.fd)
         except OSError as exc:
             raise _translate(exc, name, "attach to") from exc
         finally:
             shm.close_fd()
-        return cls._wrap(name, mm, size, owner=False)
+        return cls._wrap(name, mm, size, owner=False, fd=fd)
 
     @classmethod
-    def _wrap(cls, name, mm, size, owner):
+    def _wrap(cls, name, mm, size, owner, fd):
         seg = cls()
         seg.name, seg.mmap, seg.size, seg.owner = name, mm, size, owner
+        seg.space = Space(fd, name, size, SHM_DIR)
         return seg
 
     def admit(self, own: bool = False) -> None:
@@ -213,10 +223,13 @@ class Segment:
             f"segment {self.name!r} is {self.size} bytes, too small for a shmbuf header, "
             f"after {timeout} s; is it a shmbuf buffer?"))
         self.close()
-        self.mmap, self.size = again.mmap, again.size
+        self.mmap, self.size, self.space = again.mmap, again.size, again.space
 
     def close(self) -> None:
         """Unmap, unless numpy views still export the mapping (then they keep it alive)."""
+        space, self.space = self.space, None
+        if space is not None:
+            space.close()
         mm, self.mmap = self.mmap, None
         if mm is not None:
             try:
@@ -300,8 +313,10 @@ class Reservation:
             raise _translate(exc, name, "create") from None
         self.name = name
 
-    def allocate(self, size: int, *, populate: bool = True) -> Segment:
-        """Size the segment to ``size`` bytes, every page reserved now, and map it (owner).
+    def allocate(self, size: int, *, reserve: int | None = None,
+                 populate: bool = True) -> Segment:
+        """Size the segment to ``size`` bytes, reserve its first ``reserve`` (all if None)
+        now, and map it (owner); ``populate`` maps the reserved pages into this process.
 
         On failure the name stays reserved, at 0 bytes.  Raises
         SharedMemoryFullError when /dev/shm is too small.
@@ -309,12 +324,17 @@ class Reservation:
         if self._shm is None:
             raise BufferClosedError(f"reservation of segment {self.name!r} is closed")
         fd = self._shm.fd
+        reserve = size if reserve is None else min(reserve, size)
         try:
-            # Reserve every page now: a /dev/shm that is too small fails here,
-            # not with SIGBUS on some later write.
-            os.posix_fallocate(fd, 0, size)
-            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
-            mm = mmap.mmap(fd, size, flags=flags)
+            # Reserved pages cannot raise SIGBUS when they are touched later:
+            # a /dev/shm that is too small fails here (or at a chunk claim).
+            os.ftruncate(fd, size)
+            if reserve:
+                os.posix_fallocate(fd, 0, reserve)
+            mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+            if populate and reserve:
+                _populate(mm, reserve)
+            fd = os.dup(fd)
         except BaseException as exc:
             try:
                 os.ftruncate(fd, 0)
@@ -324,7 +344,7 @@ class Reservation:
                 raise
             raise _translate(exc, self.name, "create") from exc
         self.close()
-        return Segment._wrap(self.name, mm, size, owner=True)
+        return Segment._wrap(self.name, mm, size, owner=True, fd=fd)
 
     def close(self) -> None:
         """Close the descriptor (idempotent); the name stays until ``unlink``."""
@@ -336,6 +356,15 @@ class Reservation:
         """Remove the name and close; quiet if the name is already gone."""
         self.close()
         _unlink_quietly(self.name)
+
+
+def _populate(mm, length: int) -> None:
+    """Map the first ``length`` bytes of ``mm`` into this process in one call."""
+    try:
+        mm.madvise(MADV_POPULATE_WRITE, 0, length)
+    except OSError:
+        # Kernels before 5.14: touch one byte per page instead.
+        np.frombuffer(mm, np.uint8, length)[::PAGE] = 0
 
 
 def column_views(segment: Segment, layout, columns) -> dict:

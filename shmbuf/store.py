@@ -18,7 +18,8 @@ from ._process_rng import ProcessRandom
 from ._procs import my_start_time
 from ._ring import Episodes, Ring, owner_alive, owner_record
 from ._handle import Shared
-from ._segment import Segment, column_views, generate_name, validate_name
+from ._segment import SHM_DIR, Segment, column_views, generate_name, validate_name
+from ._space import check_fits
 from ._wait import check_timeout, poll
 from .ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from .sampling import WindowFinder
@@ -33,7 +34,9 @@ class Stats:
     """Counters of a buffer, read from its header by any attached process.
 
     Steps are numbered in global write order: ``oldest_step`` and
-    ``newest_step`` bound the live ones.  Counts taken while writers join,
+    ``newest_step`` bound the live ones.  ``reserved_bytes`` is how much of
+    /dev/shm the segment holds now, of its ``total_bytes`` at full capacity
+    (pages are reserved as chunks are first claimed).  Counts taken while writers join,
     leave or die may be off by the steps of that one writer for an instant.
     """
 
@@ -53,6 +56,8 @@ class Stats:
     owner_pid: int
     owner_alive: bool
     rate: RateStats | None = None   # the rate limiter's counters, if the buffer has one
+    reserved_bytes: int = 0
+    total_bytes: int = 0
 
 
 class Buffer(Shared):
@@ -69,7 +74,7 @@ class Buffer(Shared):
         self._layout = layout
         self._owner_pid, self._owner_start = owner
         self._meta = meta
-        self._ring = Ring(segment.mmap, layout, segment.name)
+        self._ring = Ring(segment.mmap, layout, segment.name, segment.space)
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._limiter = Limiter.of(self._ring.rate, segment.name,
@@ -480,7 +485,8 @@ class Buffer(Shared):
                      c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
                      len(self._ring.live_writers()), c.streams, c.samples,
                      owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
-                     None if self._limiter is None else self._limiter.stats())
+                     None if self._limiter is None else self._limiter.stats(),
+                     self._segment.space.reserved_bytes(), lay.total_bytes)
 
     # -- episodes and rows ------------------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:
@@ -721,7 +727,7 @@ class Buffer(Shared):
 
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
-           prefault: bool = True, meta: dict | None = None,
+           prefault: bool = False, overcommit: bool = False, meta: dict | None = None,
            episode_slots: int | None = None, handle_signals: bool | None = None,
            rate_limit: RateLimit | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
@@ -737,8 +743,17 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             draws its own stream, a function of ``seed`` and of the process
             (this one, a DataLoader worker, another child); fresh OS entropy
             if None.  See ``shmbuf._process_rng``.
-        prefault: map every page into this process now (writers in other
-            processes populate each chunk's pages when they claim it).
+        prefault: reserve every page of /dev/shm now and map it into this
+            process, so that a /dev/shm too small for the whole buffer fails
+            here.  Default False: pages are reserved as writers first claim
+            each chunk (like ``np.empty``, the buffer takes memory as it
+            fills), and a full /dev/shm raises ``SharedMemoryFullError`` at
+            that claim.  Either way, writers in other processes map each
+            chunk's pages with one call when they claim it.
+        overcommit: allow a capacity larger than the whole /dev/shm
+            filesystem (it can never be filled: writers get
+            ``SharedMemoryFullError`` when /dev/shm runs out).  Default
+            False: such a capacity is refused here.
         meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
         episode_slots: finished episodes the episode index remembers
             (``episodes()``, ``uniform="episodes"``); default
@@ -763,7 +778,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     Raises:
         ValueError / TypeError: a bad argument, before any system call.
         SegmentExistsError: ``name`` is taken.
-        SharedMemoryFullError: /dev/shm is too small; nothing is left behind.
+        SharedMemoryFullError: the capacity exceeds the size of /dev/shm
+            (see ``overcommit``), or /dev/shm has too little free space for
+            the header (for all of it, with ``prefault``); nothing is left
+            behind.
 
     Example:
         >>> spec = {"obs": ((3, 64, 64), np.uint8), "done": ((), np.bool_)}
@@ -774,12 +792,21 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
                   done_key=done_key, episode_slots=episode_slots)
     _signals.check(handle_signals)
     rate = check_rate_limit(rate_limit)
+    for flag, value in (("prefault", prefault), ("overcommit", overcommit)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag} must be True or False, got {value!r}")
     raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
-    segment = Segment.create(name, layout.total_bytes, populate=prefault)
+    if not overcommit:
+        check_fits(name, layout.total_bytes, layout.columns[0].offset,
+                   sum(c.row_bytes for c in layout.columns), layout.capacity, SHM_DIR)
+    # The header and the writer slots are written by everyone: reserved now.
+    # The chunk table, the episode index and the rows follow the tickets (_ring).
+    segment = Segment.create(name, layout.total_bytes,
+                             reserve=None if prefault else layout.chunks_offset,
+                             populate=prefault)
     try:
         owner = (os.getpid(), my_start_time())
-        Ring(segment.mmap, layout).init_chunks()
         segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta,
                                       None if rate is None else rate._words()))
         buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
