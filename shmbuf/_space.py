@@ -32,8 +32,12 @@ def fs_bytes(shm_dir: str) -> tuple[int, int]:
     return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
 
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.3g} GiB"
+def human(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at 1 or more."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"
 
 
 class Space:
@@ -72,7 +76,7 @@ class Space:
         total, free = fs_bytes(self.shm_dir)
         return SharedMemoryFullError(
             code, f"buffer {self.name!r}: {self.shm_dir} cannot reserve {need} bytes for "
-            f"{what}: it has {free} bytes ({gib(free)}) left of {gib(total)}, and the buffer "
+            f"{what}: it has {free} bytes ({human(free)}) left of {human(total)}, and the buffer "
             f"holds {self.reserved_bytes()} of its {self.size} bytes. Nothing was written: "
             "the buffer keeps what it holds, samplers go on, and this call may be retried "
             "once space is freed ('python -m shmbuf gc' removes buffers of dead owners), or "
@@ -102,7 +106,7 @@ def check_fits(name: str, total_bytes: int, fixed_bytes: int, row_bytes: int, ca
     fits = max(0, (total - fixed_bytes) // row_bytes)
     raise SharedMemoryFullError(
         errno.ENOSPC, f"buffer {name!r}: capacity {capacity} needs {total_bytes} bytes "
-        f"({gib(total_bytes)}) but {shm_dir} holds {total} bytes ({gib(total)}) in all, so it "
+        f"({human(total_bytes)}) but {shm_dir} holds {total} bytes ({human(total)}) in all, so it "
         f"could never be filled; a capacity of about {fits} steps would fit. Pass a smaller "
         "capacity, give the machine more shared memory (docker run --shm-size=...), or pass "
         "overcommit=True to create it anyway (pages are reserved as the buffer fills, and a "

@@ -141,6 +141,8 @@ def cmd_info(args) -> int:
         print(f"name         {info.name}")
         print(f"kind         {'keyed rings' if info.keyed else 'step store'}")
         print(f"size         {_human(info.segment.size)}")
+        # Pages are reserved as chunks are first claimed (shmbuf._space).
+        print(f"reserved     {_human(info.segment.space.reserved_bytes())} of /dev/shm")
         print(f"owner        {info.state()}")
         print(f"meta         {info.owner['meta']}")
         if info.keyed:

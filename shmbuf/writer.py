@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ._cast import coerce, scalar_fast_path
-from ._errors import BufferClosedError
+from ._errors import BufferClosedError, SharedMemoryFullError
 from ._layout import EP_COLUMN, Layout
 from ._ring import Ring, Slot, Streams, copy_rows
 
@@ -114,6 +114,9 @@ class Writer:
             WaitTimeoutError: the buffer's rate limit (``RateLimit``, with
                 ``block_writers``) made the step wait ``writer_timeout``
                 seconds for samples; nothing was published.
+            SharedMemoryFullError: the step needs a new chunk and /dev/shm has
+                no room for its pages; nothing is written, and the same call
+                may be retried once space is freed.
 
         Example:
             >>> w = buf.writer()
@@ -226,6 +229,8 @@ class Writer:
             BufferClosedError: the writer or the buffer is closed.
             WaitTimeoutError: as ``add``; the chunk segments of the run
                 published before the wait stay (a reader sees a prefix).
+            SharedMemoryFullError: /dev/shm had no room for the next chunk;
+                the steps before it are written (the message says how many).
 
         Example:
             >>> w.extend(obs=frames, action=acts, reward=rews, done=dones)  # (T, ...) each
@@ -246,7 +251,14 @@ class Writer:
                 ep = s.ep[0] + np.cumsum(done) - done
         at = 0
         while at < n:
-            row, room = s.room(0)
+            try:
+                row, room = s.room(0)
+            except SharedMemoryFullError as exc:
+                if not at:
+                    raise
+                raise SharedMemoryFullError(exc.errno, f"{exc.strerror} This extend had written "
+                                            f"the first {at} of its {n} steps; retry with "
+                                            f"the rest (rows {at}: of each column)") from None
             k = min(room, n - at)
             for (_, view, dtype, _), v in zip(self._cols, values):
                 part = v[at:at + k]
