@@ -288,13 +288,24 @@ def test_bad_adds_are_rejected_naming_the_argument_and_write_nothing():
 @pytest.mark.parametrize("kwargs, word", [
     (dict(size=0), "size"), (dict(size=2.5), "size"), (dict(obs_shape=(3, 0, 8)), "obs_shape"),
     (dict(obs_shape="3x8x8"), "obs_shape"), (dict(action_size=0), "action_size"),
-    (dict(seq_len=0), "seq_len"), (dict(seq_len=101), "seq_len"),
+    (dict(seq_len=0), "seq_len"), (dict(seq_len="50"), "seq_len"),
     (dict(batch_size=0), "batch_size"), (dict(name="a/b"), "name"),
 ])
 def test_bad_constructor_arguments_create_nothing(kwargs, word):
     args = {**dict(size=100, obs_shape=OBS, action_size=6, seq_len=4, batch_size=2), **kwargs}
     with pytest.raises((TypeError, ValueError), match=word):
         ReplayBuffer(**args)
+
+
+def test_seq_len_above_size_constructs_and_fails_at_sample():
+    # torchwm's own tests build ReplayBuffer(size=10, ..., seq_len=50): upstream takes it.
+    with ReplayBuffer(10, OBS, 6, seq_len=50, batch_size=4) as rb:
+        assert (rb.size, rb.seq_len) == (10, 50)
+        write_episodes(rb, 1, [12])
+        assert rb.steps == 12 and rb.full
+        for call in (rb.sample, rb.prefetch, rb.dataset):
+            with pytest.raises(shmbuf.NotEnoughDataError, match="seq_len=50.*size=10"):
+                call()
 
 
 # -- lifecycle, handles, seeding ----------------------------------------------------------

@@ -258,14 +258,25 @@ def test_bad_adds_are_rejected_naming_the_argument_and_write_nothing():
 
 
 @pytest.mark.parametrize("kwargs, word", [
-    (dict(size=1), "size"), (dict(size=-5), "size"), (dict(obs_shape=(3, 8, -1)), "obs_shape"),
-    (dict(action_size=1.5), "action_size"), (dict(seq_len=100), "seq_len"),
+    (dict(size=0), "size"), (dict(size=-5), "size"), (dict(obs_shape=(3, 8, -1)), "obs_shape"),
+    (dict(action_size=1.5), "action_size"), (dict(seq_len=2.5), "seq_len"),
     (dict(seq_len=0), "seq_len"), (dict(batch_size=True), "batch_size"),
 ])
 def test_bad_constructor_arguments_create_nothing(kwargs, word):
     args = {**dict(size=100, obs_shape=OBS, action_size=6, seq_len=4, batch_size=2), **kwargs}
     with pytest.raises((TypeError, ValueError), match=word):
         IRISReplayBuffer(**args)
+
+
+@pytest.mark.parametrize("size, seq_len", [(100, 100), (1, 1), (10, 50)])
+def test_a_window_larger_than_the_buffer_fails_at_sampling(size, seq_len):
+    # As upstream: the constructor takes it, and the call that needs the window refuses.
+    with IRISReplayBuffer(size, OBS, 6, seq_len=seq_len, batch_size=2) as rb:
+        Stream(1).add(rb, size)
+        assert len(rb) == size
+        for call in (rb.sample_sequence, rb.prefetch, rb.dataset):
+            with pytest.raises(shmbuf.NotEnoughDataError, match=f"size={size}"):
+                call()
 
 
 # -- lifecycle, handles, seeding ----------------------------------------------------------

@@ -68,12 +68,13 @@ class Facade(Shared):
 
     # -- construction ---------------------------------------------------------
     def _create(self, spec: dict, capacity: int, params: dict, *, name=None, seed=None,
-                chunk_size=None, done_key="done", episode_slots=None, rate_limit=None) -> None:
+                chunk_size=None, done_key="done", episode_slots=None, rate_limit=None,
+                overcommit=False) -> None:
         """Create the owning core buffer and remember ``params`` in its metadata."""
         self.buffer = store.create(spec, capacity, name=name, seed=seed, chunk_size=chunk_size,
                                    done_key=done_key, episode_slots=episode_slots,
                                    meta={"facade": self.FACADE, "params": params},
-                                   rate_limit=rate_limit)
+                                   rate_limit=rate_limit, overcommit=overcommit)
         self._track(self.buffer.name, owner=True)
         self._setup(params)
 

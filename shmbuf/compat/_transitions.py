@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
+from .._errors import NotEnoughDataError
 from ._base import Facade
 
 
@@ -36,13 +37,17 @@ def check_shape(arg: str, shape) -> list:
 
 
 def transition_params(size, obs_shape, action_size, seq_len, batch_size, frames: int) -> dict:
-    """Checked constructor arguments; a window of ``seq_len + frames`` steps must fit."""
+    """Checked constructor arguments.
+
+    A ``seq_len`` longer than ``size`` is accepted, as upstream accepts it:
+    such a buffer fails at ``sample()`` (``check_window``), the call that
+    needs the window (torchwm's own tests build one).
+    """
     size = check_int("size", size, 1)
-    params = {"size": size, "obs_shape": check_shape("obs_shape", obs_shape),
-              "action_size": check_int("action_size", action_size, 1),
-              "batch_size": check_int("batch_size", batch_size, 1)}
-    params["seq_len"] = check_window("seq_len", seq_len, size, frames)
-    return params
+    return {"size": size, "obs_shape": check_shape("obs_shape", obs_shape),
+            "action_size": check_int("action_size", action_size, 1),
+            "batch_size": check_int("batch_size", batch_size, 1),
+            "seq_len": check_int("seq_len", seq_len, 1)}
 
 
 def age_buckets(age_weights):
@@ -62,11 +67,19 @@ def age_buckets(age_weights):
 
 
 def check_window(arg: str, seq_len, size: int, frames: int) -> int:
-    """``seq_len`` such that ``seq_len + frames`` steps fit in a buffer of ``size``."""
-    if size - frames < 1:
-        raise ValueError(f"size {size} is too small: a window of {arg} + {frames} steps "
-                         f"needs size >= {frames + 1}")
-    return check_int(arg, seq_len, 1, size - frames)
+    """``seq_len`` (an int >= 1), if a window of ``seq_len + frames`` steps fits ``size``.
+
+    Raises:
+        NotEnoughDataError: it never can: the buffer holds fewer steps.
+        TypeError / ValueError: ``seq_len`` is not an int >= 1.
+    """
+    length = check_int(arg, seq_len, 1)
+    if length + frames > size:
+        raise NotEnoughDataError(
+            f"{arg}={length} needs {length + frames} consecutive steps of one episode, but "
+            f"this buffer holds at most size={size} steps; create it with size >= "
+            f"{length + frames} or sample shorter windows")
+    return length
 
 
 class TransitionFacade(Facade):

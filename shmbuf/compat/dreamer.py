@@ -13,7 +13,10 @@ The documented API, shapes and dtypes are kept; what differs from upstream
 - every process may ``add``; pickling sends a handle; ``seed=`` seeds the
   buffer's own generator; ``state_dict()`` / ``load_state_dict()`` exist;
 - inputs are validated before anything is written (a float frame is not
-  silently truncated into uint8).
+  silently truncated into uint8);
+- like upstream's ``np.empty``, memory is taken as the buffer fills, and a
+  ``size`` beyond the size of /dev/shm is accepted (``overcommit=True``): a
+  full /dev/shm is a ``SharedMemoryFullError`` at ``add``.
 """
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ class ReplayBuffer(TransitionFacade):
         size: transitions held before the oldest are evicted (FIFO).
         obs_shape: ``(C, H, W)`` of the uint8 ``obs["image"]``.
         action_size: length of the float32 action vector.
-        seq_len: steps per sampled sequence, ``1 <= seq_len <= size``.
+        seq_len: steps per sampled sequence, >= 1.  As upstream, a ``seq_len``
+            larger than ``size`` is accepted here; ``sample()`` then raises
+            ``NotEnoughDataError``.
         batch_size: sequences per ``sample()``.
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None); ``ReplayBuffer.attach(name)``
@@ -69,8 +74,11 @@ class ReplayBuffer(TransitionFacade):
         limit = train_ratio
         if train_ratio is not None and not isinstance(train_ratio, RateLimit):
             limit = RateLimit(train_ratio, min_steps=params["seq_len"] * params["batch_size"])
+        # Upstream's np.empty takes memory only as it is written, so torchwm
+        # sizes it from 80% of the RAM: pages here are reserved as they fill too.
         self._create(transition_spec(params["obs_shape"], params["action_size"]),
-                     params["size"], params, name=name, seed=seed, rate_limit=limit)
+                     params["size"], params, name=name, seed=seed, rate_limit=limit,
+                     overcommit=True)
 
     def add(self, obs: Mapping, action, reward, done) -> None:
         """Append one transition from this process.
@@ -117,7 +125,8 @@ class ReplayBuffer(TransitionFacade):
             float32 (1.0 on a terminal step, which can only be the last one).
 
         Raises:
-            NotEnoughDataError: no episode holds ``seq_len`` steps yet.
+            NotEnoughDataError: no episode holds ``seq_len`` steps yet (or
+                ever can: ``seq_len > size``).
             ValueError / TypeError: ``seq_len`` or ``batch_size`` was set to a
                 bad value.
             BufferClosedError: the buffer was closed in this process.

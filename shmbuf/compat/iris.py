@@ -47,8 +47,9 @@ class IRISReplayBuffer(TransitionFacade):
         size: transitions held before the oldest are evicted (FIFO).
         obs_shape: ``(C, H, W)`` of the uint8 frames.
         action_size: length of the float32 action vector.
-        seq_len: default actions per sampled sequence, ``1 <= seq_len <= size - 1``
-            (a window spans ``seq_len + 1`` steps).
+        seq_len: default actions per sampled sequence, >= 1 (a window spans
+            ``seq_len + 1`` steps).  As upstream, one longer than ``size - 1``
+            is accepted here; sampling then raises ``NotEnoughDataError``.
         batch_size: sequences per ``sample_sequence()``.
         age_weights: None (default: windows uniform over every valid start,
             as upstream's buffer), or IRIS's episode weighting by age, e.g.
@@ -132,7 +133,8 @@ class IRISReplayBuffer(TransitionFacade):
             float32 (1.0 only at the last step, when it ended the episode).
 
         Raises:
-            NotEnoughDataError: no episode holds ``seq_len + 1`` steps yet.
+            NotEnoughDataError: no episode holds ``seq_len + 1`` steps yet (or
+                ever can: ``seq_len >= size``).
             ValueError / TypeError: a bad ``seq_len``.
             BufferClosedError: the buffer was closed in this process.
 

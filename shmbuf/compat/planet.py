@@ -165,7 +165,7 @@ class Memory(Facade):
         slots = capacity // 2 + 1 if size is None else max(size, default_episode_slots(capacity))
         self._create(spec, capacity, self._params, name=self._pending["name"],
                      seed=self._pending["seed"], chunk_size=chunk, done_key=None,
-                     episode_slots=slots)
+                     episode_slots=slots, overcommit=True)  # upstream's deque grows as it fills
 
     @classmethod
     def attach(cls, name: str, *, seed=None, own: bool = False, handle_signals=None) -> "Memory":

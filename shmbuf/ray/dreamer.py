@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from shmbuf.compat._transitions import transition_params, transition_spec
+from shmbuf.compat._transitions import check_window, transition_params, transition_spec
 
 if TYPE_CHECKING:
     from shmbuf.ray._writers import LocalWriter, ShippingWriter
@@ -70,6 +70,7 @@ class ReplayBuffer:
 
     def sample(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(obs, act, rew, term)``, time-major, drawn across all shards."""
+        check_window("seq_len", self.seq_len, self.size, 0)  # deferred from the constructor
         b = self.sharded.sample_sequences(self.batch_size, self.seq_len)
         return b["obs"], b["action"], b["reward"], b["done"].astype(np.float32)
 
