@@ -38,6 +38,7 @@ class Tracker:
 
     @contextlib.contextmanager
     def buffer(self, spec, capacity, **kw):
+        kw.setdefault("prefault", True)   # bench_store measures prefaulted buffers
         buf = shmbuf.create(spec, capacity, **kw)
         self.names.append(buf.name)
         try:
