@@ -39,6 +39,7 @@ from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN,
                       SLOT_FIELDS, STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout,
                       pack_chunk_state, read_field, unpack_chunk_state, T_COLUMN)
 from ._procs import is_alive, my_start_time
+from ._space import Space
 
 _U32 = 0xFFFFFFFF
 _U64 = (1 << 64) - 1
@@ -322,7 +323,7 @@ class Episodes:
 class Ring:
     """The header of one mapped step store, seen through its atomic words."""
 
-    def __init__(self, mm, layout: Layout, name: str | None = None, space=None):
+    def __init__(self, mm, layout: Layout, name: str | None = None, space: Space | None = None):
         self.mm = mm
         self.layout = layout
         self.name = name
@@ -378,26 +379,27 @@ class Ring:
     def _reserve_chunk(self, ticket: int) -> None:
         """Before ``ticket``'s claim: a chunk of the first lap gets its entry and rows
         reserved, and the episode index room for one episode end per row."""
-        lay, chunk = self.layout, ticket
+        lay, chunk, space = self.layout, ticket, self.space
+        assert space is not None  # _take prepares only with a space
         rows = int(self.chunk_rows[chunk % lay.n_chunks])
         if chunk < lay.n_chunks:
             first = int(self.chunk_base[chunk])
             what = (f"chunk {chunk} ({rows} steps, {rows * sum(c.row_bytes for c in lay.columns)}"
                     " bytes over all columns)")
-            self.space.reserve(lay.chunk_field(chunk, "state"), CHUNK_ENTRY, what)
+            space.reserve(lay.chunk_field(chunk, "state"), CHUNK_ENTRY, what)
             for col in lay.columns:
-                self.space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
+                space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
         self._reserve_episodes(self.counter("episode_ticket") + rows)
 
     def _reserve_episodes(self, upto: int) -> None:
         """Reserve episode-index entries below ``upto`` (whole granules), unless known done."""
-        slots = self.layout.episode_slots
+        slots, space = self.layout.episode_slots, self.space
         upto = min(upto, slots)
-        if upto <= self._episodes_reserved:
+        if upto <= self._episodes_reserved or space is None:
             return
         lo = self._episodes_reserved - self._episodes_reserved % _EPISODE_GRANULE
         hi = min(slots, -(-upto // _EPISODE_GRANULE) * _EPISODE_GRANULE)
-        self.space.reserve(self.layout.episode_field(lo, "seq"), (hi - lo) * EPISODE_ENTRY,
+        space.reserve(self.layout.episode_field(lo, "seq"), (hi - lo) * EPISODE_ENTRY,
                            f"episode index entries {lo}-{hi - 1}")
         self._episodes_reserved = hi
 

@@ -142,7 +142,9 @@ def cmd_info(args) -> int:
         print(f"kind         {'keyed rings' if info.keyed else 'step store'}")
         print(f"size         {_human(info.segment.size)}")
         # Pages are reserved as chunks are first claimed (shmbuf._space).
-        print(f"reserved     {_human(info.segment.space.reserved_bytes())} of /dev/shm")
+        space = info.segment.space
+        if space is not None:
+            print(f"reserved     {_human(space.reserved_bytes())} of /dev/shm")
         print(f"owner        {info.state()}")
         print(f"meta         {info.owner['meta']}")
         if info.keyed:

@@ -75,6 +75,7 @@ class Buffer(Shared):
         self._owner_pid, self._owner_start = owner
         self._meta = meta
         self._ring = Ring(segment.mmap, layout, segment.name, segment.space)
+        self._space = segment.space  # the bytes reserved, for stats()
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._limiter = Limiter.of(self._ring.rate, segment.name,
@@ -486,7 +487,7 @@ class Buffer(Shared):
                      len(self._ring.live_writers()), c.streams, c.samples,
                      owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
                      None if self._limiter is None else self._limiter.stats(),
-                     self._segment.space.reserved_bytes(), lay.total_bytes)
+                     self._space.reserved_bytes() if self._space else 0, lay.total_bytes)
 
     # -- episodes and rows ------------------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:
