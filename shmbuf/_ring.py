@@ -645,11 +645,15 @@ class Ring:
 
         States before counts (acquire), as ``live_chunks``; the clock after
         the counts (acquire), so every counted row's ``_t`` lies below it.
-        Recency sampling reads chunks this way.
+        Recency sampling reads chunks this way.  Chunks not claimed yet read
+        as seq 0, count 0, without a look at their (unreserved) entries.
         """
-        seq = (self.chunk_table[:, _STATE] >> np.uint64(32)).astype(np.int64)
+        claimed, n = self.claimed_chunks(), self.layout.n_chunks
+        seq, counts = np.zeros(n, np.int64), np.zeros(n, np.int64)  # unclaimed: empty
+        seq[:claimed] = self.chunk_table[:claimed, _STATE] >> np.uint64(32)
         atomic.fence_acquire()
-        counts = np.clip(self.count.view(np.int64), 0, self.chunk_rows)
+        counts[:claimed] = np.clip(self.count[:claimed].view(np.int64), 0,
+                                   self.chunk_rows[:claimed])
         atomic.fence_acquire()
         return seq, counts, self.clock()
 

@@ -19,6 +19,7 @@ import pytest
 import shmbuf
 from shmbuf import _layout as L
 from shmbuf.cli import main as cli_main
+from shmbuf.select import AgeBuckets, Recency
 
 SHM = "/dev/shm"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -72,6 +73,8 @@ def test_readers_take_no_page(make_buffer, tmp_path, capsys):
     try:
         reader.sample_sequences(8, 5)
         reader.sample_sequences(4, 3, uniform="episodes")
+        reader.sample_sequences(4, 3, select=Recency())
+        reader.sample_sequences(4, 3, select=AgeBuckets([1, 2]))
         reader.snapshot()
         torch.save(reader.state_dict(), tmp_path / "r.pt")
         reader.save(tmp_path / "saved")
