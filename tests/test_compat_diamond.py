@@ -303,7 +303,7 @@ def test_bad_sampling_arguments_are_refused_by_name(make_rb):
         (lambda: rb.sample(0), ValueError, "batch_size"),
         (lambda: rb.sample_sequence(2, 0), ValueError, "sequence_length"),
         (lambda: rb.sample_sequence(2, 3, burn_in=-1), ValueError, "burn_in"),
-        (lambda: rb.sample_sequence(2, 30, burn_in=3), ValueError, "capacity"),
+        (lambda: rb.sample_sequence(2, 30, burn_in=3), NotEnoughDataError, "capacity 32"),
         (lambda: rb.is_ready(-1), ValueError, "^n must"),
         (lambda: SequenceDataset(rb, 0), ValueError, "sequence_length"),
         (lambda: SequenceDataset(rb, epoch_length=-1), ValueError, "epoch_length"),
@@ -312,6 +312,15 @@ def test_bad_sampling_arguments_are_refused_by_name(make_rb):
     ]:
         with pytest.raises(error, match=arg):
             call()
+
+
+def test_a_dataset_longer_than_the_capacity_fails_at_getitem(make_rb):
+    # Upstream builds it and fails at the first item; so does shmbuf, with a clear error.
+    rb = make_rb(capacity=32)
+    add_steps(rb, 0, 10)
+    dataset = SequenceDataset(rb, sequence_length=30, burn_in=4)
+    with pytest.raises(NotEnoughDataError, match="capacity 32"):
+        dataset[0]
 
 
 def test_too_little_data_raises(make_rb):

@@ -59,7 +59,8 @@ class SequenceDataset:
         if not isinstance(replay_buffer, ReplayBuffer):
             raise TypeError(f"replay_buffer must be a shmbuf DIAMOND ReplayBuffer, got "
                             f"{type(replay_buffer).__name__}")
-        self._length, self.burn_in = replay_buffer._window(sequence_length, burn_in)
+        # A window longer than the capacity fails at __getitem__, as upstream's does.
+        self._length, self.burn_in = replay_buffer._window(sequence_length, burn_in, fit=False)
         self.replay_buffer = replay_buffer
         self.sequence_length = self._length - self.burn_in
         self.epoch_length = None if epoch_length is None else check_int("epoch_length",
@@ -76,6 +77,7 @@ class SequenceDataset:
     def __getitem__(self, index: int) -> dict:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
             raise TypeError(f"SequenceDataset indices are ints, got {type(index).__name__}")
+        self.replay_buffer._fits(self._length)
         batch = self.replay_buffer.buffer.sample_sequences(
             1, self._length, time_major=False, rng=self._generator(),
             select=self.replay_buffer._select)

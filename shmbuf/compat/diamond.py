@@ -51,6 +51,7 @@ import numpy as np
 
 from ._base import Facade, register
 from .._args import check_int
+from .._errors import NotEnoughDataError
 from ._transitions import age_buckets, check_shape
 
 _ACTION_KINDS = "iuf"
@@ -317,7 +318,8 @@ class ReplayBuffer(Facade):
             when ``burn_in == 0``.
 
         Raises:
-            NotEnoughDataError: no episode holds ``burn_in + sequence_length`` steps yet.
+            NotEnoughDataError: no episode holds ``burn_in + sequence_length`` steps
+                yet (or ever can: more than the capacity).
             TypeError / ValueError: a bad argument, naming it.
             BufferClosedError: the buffer was closed in this process.
 
@@ -337,14 +339,21 @@ class ReplayBuffer(Facade):
                 "burn_in_obs": _frames(batch["obs"][ctx], dev),
                 "burn_in_actions": _actions(batch["action"][ctx], dev)}
 
-    def _window(self, sequence_length, burn_in) -> tuple[int, int]:
-        """(window length, burn_in), checked against the capacity."""
+    def _window(self, sequence_length, burn_in, fit: bool = True) -> tuple[int, int]:
+        """(window length, burn_in); with ``fit``, NotEnoughDataError unless the capacity
+        can ever hold it (SequenceDataset checks that at ``__getitem__``, as upstream fails
+        only there)."""
         sequence_length = check_int("sequence_length", sequence_length, 1)
         burn_in = check_int("burn_in", burn_in, 0)
-        if burn_in + sequence_length > self.capacity:
-            raise ValueError(f"burn_in + sequence_length = {burn_in} + {sequence_length} "
-                             f"exceeds the buffer's capacity {self.capacity}")
+        if fit:
+            self._fits(burn_in + sequence_length)
         return burn_in + sequence_length, burn_in
+
+    def _fits(self, length: int) -> None:
+        if length > self.capacity:
+            raise NotEnoughDataError(
+                f"burn_in + sequence_length = {length} consecutive steps of one episode "
+                f"are more than this buffer's capacity {self.capacity} can ever hold")
 
     # -- counts -------------------------------------------------------------------
     def __len__(self) -> int:
