@@ -63,6 +63,7 @@ def test_ring_gone_round_holds_exactly_the_segment(make_buffer):
     assert st.total_bytes - st.reserved_bytes < L.PAGE * 16  # only unused index pages remain
 
 
+@pytest.mark.slow
 def test_readers_take_no_page(make_buffer, tmp_path, capsys):
     """Every read path stays below the tickets: reading a sparse buffer reserves nothing."""
     torch = pytest.importorskip("torch")
