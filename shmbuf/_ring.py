@@ -400,7 +400,7 @@ class Ring:
         lo = self._episodes_reserved - self._episodes_reserved % _EPISODE_GRANULE
         hi = min(slots, -(-upto // _EPISODE_GRANULE) * _EPISODE_GRANULE)
         space.reserve(self.layout.episode_field(lo, "seq"), (hi - lo) * EPISODE_ENTRY,
-                           f"episode index entries {lo}-{hi - 1}")
+                      f"episode index entries {lo}-{hi - 1}")
         self._episodes_reserved = hi
 
     def _reserve_episode(self, i: int) -> None:
