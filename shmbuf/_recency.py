@@ -2,12 +2,16 @@
 
 A row's age is ``clock - 1 - _t[row]``: the steps published after it, by any
 writer (``Ring.clock``, the ``_t`` column).  The draw is rejection sampling
-from an envelope built per chunk, with three facts about a chunk's rows:
+from an envelope built per chunk, with these facts about a chunk's rows:
 they were published in row order (one stream fills a chunk), so a row ``u``
 rows older than another is at least ``u`` steps older; a valid start has at
 least ``length - 1`` later steps in its window, so its age is at least
-``length - 1``; and a chunk that is not full has no successor yet, so its
-newest ``length - 1`` rows cannot start a window.
+``length - 1``; a start needs ``length - 1`` rows after it in its stream, so
+the newest rows of a chunk whose stream holds too few rows after them (in the
+chunk and its successor) are left out until the stream grows, and the chunk
+is anchored again when its successor is linked or fills; and a start whose
+first ``length - tail`` rows would contain the chunk's last episode start
+never becomes valid, so those rows are left out for good.
 
 Per chunk, the ``_t`` of a few anchor rows is read (distances 0, 1, 3, 7, ...
 from the newest row that could start a window, a doubling ladder), and the
@@ -47,7 +51,7 @@ _REFRESH = 0.25   # recompute a chunk's masses once the clock moved by this shar
 def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
          exponent: float) -> Windows:
     """``n`` windows, each start drawn with probability proportional to ``(1 + age) ** -exponent``."""
-    index = _index(finder, length, exponent)
+    index = _index(finder, length, tail, exponent)
     found, need, m = [], n, 2 * n + 16
     for round_ in range(_ROUNDS):
         if not need:
@@ -69,15 +73,15 @@ def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
     return joined(found)
 
 
-def _index(finder, length: int, exponent: float) -> "_Envelope":
-    """The finder's envelope for ``(length, exponent)``, refreshed to the buffer's state now."""
+def _index(finder, length: int, tail: int, exponent: float) -> "_Envelope":
+    """The finder's envelope for ``(length, tail, exponent)``, refreshed to the buffer now."""
     cache = finder.__dict__.setdefault("recency_envelopes", {})
-    key = (length, exponent)
+    key = (length, tail, exponent)
     env = cache.get(key)
     if env is None:
         if len(cache) >= 4:
             cache.clear()
-        env = cache[key] = _Envelope(finder.ring, length, exponent)
+        env = cache[key] = _Envelope(finder.ring, length, tail, exponent)
     env.refresh()
     return env
 
@@ -115,18 +119,21 @@ def _integral(a, m, e: float):
 
 
 class _Envelope:
-    """Per-chunk anchors and masses of one buffer for one ``(length, exponent)``."""
+    """Per-chunk anchors and masses of one buffer for one ``(length, tail, exponent)``."""
 
-    def __init__(self, ring, length: int, exponent: float):
-        self.ring, self.length, self.e = ring, length, exponent
+    def __init__(self, ring, length: int, tail: int, exponent: float):
+        self.ring, self.length, self.tail, self.e = ring, length, tail, exponent
         n, k = ring.layout.n_chunks, ring.layout.chunk_size
-        self.k = k
-        self.width = int(np.log2(k)) + 2
-        self.ladder = (1 << np.arange(self.width, dtype=np.int64)) - 1
+        ladder = int(np.log2(k)) + 2
+        self.ladder = (1 << np.arange(ladder, dtype=np.int64)) - 1
+        self.width = 2 * ladder                             # two row ranges per chunk
         self.seq = np.full(n, -1, np.int64)
         self.count = np.zeros(n, np.int64)
-        self.dist = np.zeros((n, self.width), np.int64)    # anchor distances from the newest row
-        self.span = np.zeros((n, self.width), np.int64)    # rows after each anchor in its segment
+        self.succ = np.full(n, -1, np.int64)                # successor whose rows were counted
+        self.succ_count = np.zeros(n, np.int64)
+        self.waits = np.zeros(n, np.bool_)                  # rows left out until the stream grows
+        self.dist = np.zeros((n, self.width), np.int64)     # anchor distances from the newest row
+        self.span = np.full((n, self.width), -1, np.int64)  # rows after each anchor in its segment
         self.anchor_t = np.zeros((n, self.width), np.int64)
         self.ref = np.zeros(n, np.int64)                    # the clock the masses were made at
         self.young = np.zeros(n, np.int64)                  # the smallest anchor age at ref
@@ -137,32 +144,82 @@ class _Envelope:
     def refresh(self) -> None:
         seq, count, clock = self.ring.chunk_snapshot()
         self.clock = clock
-        changed = np.flatnonzero((seq != self.seq) | (count != self.count))
+        changed = (seq != self.seq) | (count != self.count)
+        grown = self._successors_moved(seq, count)
+        changed[grown] = True
+        changed = np.flatnonzero(changed)
         self.seq[changed], self.count[changed] = seq[changed], count[changed]
-        usable = changed[(seq[changed] & 1 == 0) & (count[changed] > 0)]
         self.mass[changed] = 0.0
         self.seg[changed] = 0.0
+        self.span[changed] = -1
+        self.waits[changed] = False
         self.seq[changed[(seq[changed] & 1) == 1]] = -1     # re-read once it settles
+        usable = changed[(seq[changed] & 1 == 0) & (count[changed] > 0)]
         if len(usable):
-            self._anchor(usable, clock)
+            self._anchor(usable, seq, count, clock)
         stale = np.flatnonzero((self.mass > 0)
                                & (clock - self.ref > _REFRESH * (1 + self.young)))
         if len(stale):
             self._masses(stale, clock)
 
-    def _anchor(self, chunks: np.ndarray, clock: int) -> None:
-        ring, n = self.ring, self.count[chunks]
+    def _successors_moved(self, seq, count) -> np.ndarray:
+        """Chunks whose left-out newest rows may start windows now: their stream's next
+        chunk was linked, refilled or recycled since they were anchored."""
+        waiting = np.flatnonzero(self.waits & (seq == self.seq))
+        if not len(waiting):
+            return waiting
+        succ, succ_seq = self._linked(waiting, seq)
+        moved = (succ != self.succ[waiting]) | (np.where(succ >= 0, count[succ], 0)
+                                                != self.succ_count[waiting])
+        return waiting[moved]
+
+    def _linked(self, chunks, seq):
+        """The successor of each of ``chunks`` whose seq is still the linked one, else -1."""
+        succ, succ_seq = self.ring.links(chunks)
+        ok = (succ >= 0) & (succ < len(seq))
+        ok[ok] &= seq[succ[ok]] == succ_seq[ok]
+        return np.where(ok, succ, -1), succ_seq
+
+    def _anchor(self, chunks: np.ndarray, seq, count, clock: int) -> None:
+        """Read the anchors of ``chunks`` (each stable at ``seq``, ``count`` rows)."""
+        ring, n, length = self.ring, count[chunks], self.length
         full = n == ring.chunk_rows[chunks]
-        first = np.where(full, 0, self.length - 1)
-        dist = first[:, None] + self.ladder[None, :]
-        inside = dist < n[:, None]
-        nxt = np.concatenate([dist[:, 1:], np.full((len(chunks), 1), 1 << 62)], axis=1)
-        nxt = np.where(nxt < n[:, None], nxt, n[:, None])
-        rows = ring.chunk_base[chunks][:, None] + n[:, None] - 1 - np.where(inside, dist, 0)
-        self.dist[chunks] = np.where(inside, dist, 0)
-        self.span[chunks] = np.where(inside, nxt - dist - 1, -1)
-        self.anchor_t[chunks] = ring.clock_rows[rows]
+        # A start ``j`` rows before the newest needs ``length - 1 - j`` rows after the
+        # chunk; rows the stream does not hold yet leave the newest starts out until it
+        # grows (then the chunk is anchored again).  One hop is looked at: a full
+        # successor is taken to hold enough.
+        succ, _ = self._linked(chunks, seq)
+        succ = np.where(full, succ, -1)
+        after = np.where(succ >= 0, count[np.maximum(succ, 0)], 0)
+        succ_full = (succ >= 0) & (after == ring.chunk_rows[np.maximum(succ, 0)])
+        first = np.where(succ_full, 0, np.maximum(length - 1 - after, 0))
+        self.succ[chunks], self.succ_count[chunks] = succ, after
+        self.waits[chunks] = full & (first > 0)
+        # Starts whose window would contain the chunk's last episode start (row s)
+        # within its first length - tail rows never become valid: leave them out.
+        s = ring.last_starts(chunks, n)
+        band = length - 1 - self.tail
+        has = (s > 0) & (band > 0)
+        lo = np.maximum(s - band, 0)
+        newer_end = np.where(has, n - s - 1, n - 1)        # distances of rows >= s
+        older_from = np.where(has, np.maximum(first, n - lo), n)   # rows < s - band
+        older_from = np.where(has & (lo > 0), older_from, n)
+        d1, sp1 = self._ladder(first, newer_end)
+        d2, sp2 = self._ladder(older_from, n - 1)
+        dist, span = np.concatenate([d1, d2], axis=1), np.concatenate([sp1, sp2], axis=1)
+        rows = ring.chunk_base[chunks][:, None] + n[:, None] - 1 - dist
+        self.dist[chunks], self.span[chunks] = dist, span
+        self.anchor_t[chunks] = ring.clock_rows[np.clip(rows, 0, ring.layout.capacity - 1)]
         self._masses(chunks, clock)
+
+    def _ladder(self, start: np.ndarray, end: np.ndarray):
+        """Anchors ``start + 0, 1, 3, 7, ...`` up to ``end`` (distances, inclusive) and the
+        rows after each in its segment; span -1 marks an unused anchor."""
+        dist = start[:, None] + self.ladder[None, :]
+        inside = dist <= end[:, None]
+        nxt = np.concatenate([dist[:, 1:], np.full((len(start), 1), 1 << 62)], axis=1)
+        nxt = np.minimum(nxt, end[:, None] + 1)
+        return np.where(inside, dist, 0), np.where(inside, nxt - dist - 1, -1)
 
     def _masses(self, chunks: np.ndarray, clock: int) -> None:
         span = self.span[chunks]

@@ -46,6 +46,7 @@ _U64 = (1 << 64) - 1
 _STATE, _COUNT = CHUNK_FIELDS["state"] // 8, CHUNK_FIELDS["count"] // 8
 _STREAM, _TICKET = CHUNK_FIELDS["stream"] // 8, CHUNK_FIELDS["ticket"] // 8
 _NEXT, _NEXT_SEQ = CHUNK_FIELDS["next"] // 8, CHUNK_FIELDS["next_seq"] // 8
+_STARTS = CHUNK_FIELDS["starts"] // 8
 _STARTS_MAX = (1 << STARTS_BITS) - 1
 _EPISODE_GRANULE = 1024  # episode-index entries reserved at a time (64 KiB)
 # Fields of an episode entry after its seq, in the order a writer stores them.
@@ -656,6 +657,22 @@ class Ring:
                                    self.chunk_rows[:claimed])
         atomic.fence_acquire()
         return seq, counts, self.clock()
+
+    def last_starts(self, chunks: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Per chunk, a row below its count ``counts`` where an episode of its stream
+        begins (the last such row the ``starts`` word names), or -1 if it names none.
+
+        Read after the counts (a start the writer recorded after them lies at or
+        above them and is not used); untracked chunks give -1.
+        """
+        word = self.chunk_table[chunks, _STARTS]
+        atomic.fence_acquire()
+        n = (word >> np.uint64(62)).astype(np.int64)
+        mask = np.uint64(_STARTS_MAX)
+        first = (word & mask).astype(np.int64)
+        last = ((word >> np.uint64(STARTS_BITS)) & mask).astype(np.int64)
+        pick = np.where(last < counts, last, np.where(first < counts, first, -1))
+        return np.where((n > 0) & (word != np.uint64(STARTS_UNTRACKED)), pick, -1)
 
     def final_chunks(self) -> Chunks:
         """Live chunks that no writer will add to any more, oldest claim first.

@@ -134,6 +134,35 @@ def test_recency_over_interleaved_streams_after_recycling(make_buffer, n_envs, e
     assert chi2_pvalue(np.bincount(got, minlength=len(x))[::-1], probs[::-1]) > P_MIN
 
 
+def test_recency_after_the_streams_grew_between_draws(make_buffer):
+    """The envelope is kept between draws; starts it left out (too few rows after them
+    yet) take part once their stream grows, and windows across an episode start never."""
+    n_envs, length, rng = 3, 12, np.random.default_rng(5)
+    buf = make_buffer(SPEC, 4096, chunk_size=16)
+    ends = [np.cumsum(rng.integers(5, 40, 40)) for _ in range(n_envs)]   # episode ends
+    w = buf.writer()
+
+    def write(first, last):
+        for i in range(first, last):
+            done = np.array([i in e for e in ends])
+            w.add_batch(x=i * n_envs + np.arange(n_envs), ep=np.zeros(n_envs, np.int64),
+                        o=np.zeros(n_envs, np.int64), done=done)
+
+    write(0, 200)
+    buf.sample_sequences(50, length, select=Recency(1.0), rng=0)      # the envelope is made
+    write(200, 230)
+    got = draw_starts(buf, Recency(1.0), 10, 200, 50, length)
+    steps = 230
+    x = np.arange(steps * n_envs)
+    pos, env = x // n_envs, x % n_envs
+    episode = np.stack([np.searchsorted(e, np.arange(steps)) for e in ends])  # (env, pos)
+    last = np.minimum(pos + length - 1, steps - 1)
+    valid = (pos + length - 1 < steps) & (episode[env, pos] == episode[env, last])
+    probs = np.where(valid, 1.0 / (len(x) - x), 0.0)
+    assert chi2_pvalue(np.bincount(got, minlength=len(x))[::-1], probs[::-1]) > P_MIN
+    w.close()
+
+
 def test_mixture_with_recency(filled):
     buf, c = filled
     mix = Mixture([(0.25, AgeBuckets([0, 1])), (0.75, Recency(1.0))])
