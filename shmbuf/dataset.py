@@ -30,7 +30,8 @@ from ._errors import BufferClosedError, SegmentNotFoundError
 from ._process_rng import ProcessRandom
 from ._segment import SHM_DIR
 
-SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest", "select")
+SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest", "select", "ids")
+IDS_ENTRY = ((), np.dtype(np.int64))   # a batch's "ids" (sample_sequences(..., ids=True))
 
 
 def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: str) -> dict:
@@ -46,8 +47,26 @@ def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: 
     uniform, newest, select = (sample_kwargs.get(k) for k in ("uniform", "newest", "select"))
     batch_size, length, tail, _ = buffer._sample_args(
         batch_size, length, sample_kwargs.get("tail", 0), uniform, newest, select)
-    return {"batch_size": batch_size, "length": length, "time_major": bool(time_major),
+    args = {"batch_size": batch_size, "length": length, "time_major": bool(time_major),
             "tail": tail, "uniform": uniform, "newest": newest, "select": select}
+    ids = sample_kwargs.get("ids", False)
+    if not isinstance(ids, (bool, np.bool_)):
+        raise TypeError(f"ids must be True or False, got {ids!r}")
+    if ids:
+        check = getattr(buffer, "_check_priorities", None)
+        if check is None:
+            raise ValueError(f"{where}(..., ids=True): {type(buffer).__name__} batches made "
+                             "ahead carry no ids; sample with ids=True directly")
+        check(f"{where}(..., ids=True)")
+        args["ids"] = True   # only when asked: a buffer without ids= samples as before
+    return args
+
+
+def batch_spec(buffer, args: dict) -> dict:
+    """``{name: (shape, dtype)}`` of a batch ``sample_sequences(**args)`` fills: the
+    buffer's columns, and ``"ids"`` when asked."""
+    spec = buffer.spec
+    return dict(spec, ids=IDS_ENTRY) if args.get("ids") else spec
 
 
 def torch_dtype(dtype: np.dtype, column: str = ""):
@@ -98,7 +117,7 @@ class BatchDataset(IterableDataset):
         self._random = ProcessRandom(seed, buffer._owner_pid, buffer.name)
         self.name = buffer.name
         self.transform = transform
-        self._spec = buffer.spec
+        self._spec = batch_spec(buffer, self._args)
         for name, (_, dtype) in self._spec.items():
             torch_dtype(dtype, name)
         self._buffer, self._pid = buffer, os.getpid()

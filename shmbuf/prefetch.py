@@ -103,7 +103,7 @@ class Prefetcher:
 
     def __init__(self, buffer, batch_size, length, *, depth=2, device="cpu", pin_memory=None,
                  rng=None, transform=None, **sample_kwargs):
-        from .dataset import check_sample_kwargs
+        from .dataset import batch_spec, check_sample_kwargs
 
         buffer._check_open()
         args = check_sample_kwargs(buffer, batch_size, length, sample_kwargs, "Buffer.prefetch")
@@ -112,7 +112,8 @@ class Prefetcher:
         self.depth, self.pinned, self.transform = depth, pin, transform
         lead = (args["length"], args["batch_size"]) if args["time_major"] else (
             args["batch_size"], args["length"])
-        self._slots = [_Slot(buffer.spec, lead, self.device, pin) for _ in range(depth)]
+        spec = batch_spec(buffer, args)
+        self._slots = [_Slot(spec, lead, self.device, pin) for _ in range(depth)]
         self._held = None          # the slot whose batch the consumer holds
         self._state = _State(depth)
         gen = None if rng is None else np.random.default_rng(rng)

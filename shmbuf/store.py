@@ -323,7 +323,9 @@ class Buffer(Shared):
 
         Args:
             batch_size, length, **sample_kwargs: as ``sample_sequences``
-                (``time_major``, ``tail``, ``uniform``, ``newest``).
+                (``time_major``, ``tail``, ``uniform``, ``newest``, ``select``,
+                ``ids``: with ``ids=True`` each item carries ``"ids"`` too, for
+                ``update_priorities`` from the trainer).
             batches: batches per pass (an epoch), split over the workers;
                 None (default): endless.
             seed: the streams' seed (see ``create``); default this buffer's.
@@ -363,7 +365,9 @@ class Buffer(Shared):
         the ``with`` block stops the thread after the batch in hand.
 
         Args:
-            batch_size, length, **sample_kwargs: as ``sample_sequences``.
+            batch_size, length, **sample_kwargs: as ``sample_sequences``
+                (``select``, ``ids``: with ``ids=True`` each batch carries
+                ``"ids"``, an int64 tensor on ``device``).
             depth: preallocated batches, >= 1 (2: one in use, one being made).
             device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default CUDA when
                 available, else CPU.
