@@ -38,6 +38,8 @@ rejection keeps failing, the draw enumerates every committed row instead
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 from ._errors import NotEnoughDataError, SampleRetryError
@@ -56,7 +58,8 @@ def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
     for round_ in range(_ROUNDS):
         if not need:
             break
-        starts = index.candidates(rng, min(m << 2 * round_, _MAX_CANDIDATES))
+        with index.lock:
+            starts = index.candidates(rng, min(m << 2 * round_, _MAX_CANDIDATES))
         if starts is None:
             break
         found.append(_located(finder, starts, index.seq, length, tail, need))
@@ -82,7 +85,8 @@ def _index(finder, length: int, tail: int, exponent: float) -> "_Envelope":
         if len(cache) >= 4:
             cache.clear()
         env = cache[key] = _Envelope(finder.ring, length, tail, exponent)
-    env.refresh()
+    with env.lock:     # a prefetch thread and its caller may share the finder
+        env.refresh()
     return env
 
 
@@ -123,6 +127,7 @@ class _Envelope:
 
     def __init__(self, ring, length: int, tail: int, exponent: float):
         self.ring, self.length, self.tail, self.e = ring, length, tail, exponent
+        self.lock = threading.Lock()
         n, k = ring.layout.n_chunks, ring.layout.chunk_size
         ladder = int(np.log2(k)) + 2
         self.ladder = (1 << np.arange(ladder, dtype=np.int64)) - 1

@@ -60,6 +60,7 @@ class WindowFinder:
         self.k = ring.layout.chunk_size
         self.geometry = ring.geometry
         self.preempt = None  # tests: called before every shared load (see _windows.c)
+        self._held: tuple = (None, 0)   # held_episodes' entries read so far, and the end of them
 
     def locate(self, starts: np.ndarray, length: int, tail: int, need: int,
                span: int = 0) -> Windows:
@@ -226,10 +227,24 @@ class WindowFinder:
 
     def held_episodes(self, length: int, tail: int):
         """The finished episodes of the index that are still held and have at least
-        ``length - tail`` steps, oldest first (``Episodes``); one read of the index range."""
+        ``length - tail`` steps, oldest first (``Episodes``).
+
+        The entries read before are kept (an entry's body never changes once
+        read intact; whether its episode is still held is its first chunk's
+        seq, checked again here), so a call reads only the entries logged
+        since and one seq per episode held.
+        """
         lo, hi = self._episode_range(None)
-        held = self.ring.read_episodes(np.arange(lo, hi))
-        return held.take(held.length >= length - tail)
+        known, known_hi = self._held     # one tuple: threads sharing the finder see pairs
+        if known is not None and len(known) and int(known.index[0]) < lo:
+            known = known.take(known.index >= lo)
+        start = lo if known is None else max(lo, known_hi)
+        fresh = self.ring.read_episodes(np.arange(start, hi))
+        if known is not None and len(known):
+            known = known.take(self.ring.unchanged(known.chunk, known.seq))
+            fresh = _concat(known, fresh)
+        self._held = (fresh, hi)
+        return fresh.take(fresh.length >= length - tail)
 
     def no_episode_message(self, length: int, tail: int) -> str:
         """Why no finished episode can give a window ``(length, tail)``."""
@@ -270,6 +285,12 @@ class WindowFinder:
         return (f"no finished episode among the newest {held} holds {length - tail} steps "
                 f"(windows of length {length}, tail {tail}); the longest held has {longest}; "
                 "ask for shorter windows")
+
+
+def _concat(a, b):
+    """Two ``Episodes``, one after the other."""
+    return type(a)(*(np.concatenate([getattr(a, f.name), getattr(b, f.name)])
+                     for f in dataclasses.fields(a)))
 
 
 def joined(found: list[Windows]) -> Windows:
