@@ -18,6 +18,7 @@ from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissio
 from ._keyed_ring import KeyWords
 from ._layout import CLOSED_GC, CLOSED_RM, KIND_KEYED
 from ._ring import Ring, closed_word, owner_alive, owner_record
+from .ratelimit import Limiter
 from ._segment import PREFIX, SHM_DIR, Segment, list_segments, unlink
 
 
@@ -164,6 +165,14 @@ def cmd_info(args) -> int:
             print(f"episodes     {c.episodes_logged} ended, {c.episodes} on a terminal step")
             print(f"samples      {c.samples} calls, {c.sampled_rows} rows")
             print(f"streams      {c.streams}")
+            limiter = Limiter.of(ring.rate, info.name, lambda: None)
+            if limiter is not None:
+                r = limiter.stats()
+                print(f"rate limit   train_ratio {r.train_ratio:g}, min_steps {r.min_steps}, "
+                      f"tolerance {r.tolerance:g}, writers {'wait' if r.block_writers else 'free'}"
+                      f": inserted {r.inserted}, replayed {r.replayed}, ratio {r.ratio:.3f}, "
+                      f"lag {r.lag:g}, waited {r.sample_wait_s:.1f} s sampling, "
+                      f"{r.insert_wait_s:.1f} s inserting")
             print(f"writers      {len(info.writers())}")
             for slot, pid, steps in info.writers():
                 print(f"  slot {slot:<4} pid {pid:<8} steps {steps}")

@@ -221,3 +221,17 @@ def test_the_c_fast_path_is_gated_like_the_python_path(make_buffer):
     for i in range(3):
         w.add(x=np.int64(i), done=np.False_)
     assert buf.stats().rate.inserted == 6
+
+
+def test_shmbuf_info_prints_the_rate_limit(make_buffer, capsys):
+    from shmbuf import cli
+
+    buf = make_buffer(SPEC, 1000, rate_limit=RateLimit(2, min_steps=4))
+    w = buf.writer()
+    for i in range(5):
+        w.add(**step(i))
+    buf.sample_steps(2, timeout=0)
+    assert cli.main(["info", buf.name]) == 0
+    out = capsys.readouterr().out
+    assert ("rate limit   train_ratio 2, min_steps 4, tolerance 2, writers wait: inserted 5, "
+            "replayed 2, ratio 2.000, lag 0") in out
