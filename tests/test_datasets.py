@@ -45,6 +45,16 @@ class DictEnv(gym.Env):
         return self.observation_space.sample(), float(self.np_random.normal()), done, False, {}
 
 
+class BothEnv(DictEnv):
+    """Terminates at its third step, when a TimeLimit of 3 also truncates it."""
+
+    observation_space = spaces.Box(-1, 1, (2,), np.float32)
+
+    def step(self, action):
+        self.t += 1
+        return self.observation_space.sample(), 1.0, self.t == 3, False, {}
+
+
 class TextEnv(DictEnv):
     observation_space = spaces.Text(8)
 
@@ -72,6 +82,7 @@ def minari_root(tmp_path_factory):
     try:
         collect(gym.make("CartPole-v1", max_episode_steps=25), "test/cartpole-v0", 300)
         collect(gym.wrappers.TimeLimit(DictEnv(), 9), "test/dict-v0", 200)
+        collect(gym.wrappers.TimeLimit(BothEnv(), 3), "test/both-v0", 10)  # stops mid-episode
         yield root
     finally:
         if old is None:
@@ -124,6 +135,20 @@ def test_cartpole_rows_follow_the_step_convention_and_round_trip_bit_identically
         back = to_minari(buf, "test/cartpole-back-v0")
     assert_same_dataset(ds, minari.load_dataset("test/cartpole-back-v0"))
     assert back.total_episodes == ds.total_episodes
+
+
+def test_an_episode_both_terminated_and_truncated_round_trips(minari_root):
+    ds = minari.load_dataset("test/both-v0")
+    flags = [(bool(e.terminations[-1]), bool(e.truncations[-1])) for e in ds]
+    # Both flags at once, and the unfinished last episode (Minari marks it truncated).
+    assert flags == [(True, True)] * 3 + [(False, True)]
+    with from_minari(ds) as buf:
+        held = buf.episodes()
+        assert held.terminal.tolist() == [term for term, _ in flags]
+        assert [bool(buf.read_episode(int(i))["truncated"][-1]) for i in held.index] == \
+            [trunc for _, trunc in flags]
+        to_minari(buf, "test/both-back-v0")
+    assert_same_dataset(ds, minari.load_dataset("test/both-back-v0"))
 
 
 @pytest.mark.slow

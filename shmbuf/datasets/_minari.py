@@ -5,7 +5,10 @@ rewards, terminations and truncations.  It becomes N + 1 rows: row 0 holds
 the first observation with a blank action, reward 0 and ``is_first``; row
 t holds observation t with the action and reward that led to it, and
 ``done`` is the termination.  A truncated episode (or one that ends with
-neither flag) ends with ``Writer.end_episode``: a cut, not a terminal.
+neither flag) ends with ``Writer.end_episode``: a cut, not a terminal.  One
+more bool column, ``truncated``, keeps Minari's truncation flag as it was
+(gymnasium lets a step be both terminated and truncated), so that nothing is
+inferred on the way back.
 Columns keep the dtypes Minari stored, so the way back is bit-identical.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from ._common import (BLOCK_BYTES, DatasetFormatError, block_rows, check_progres
                       filling, finished_episodes, keep_newest, progress_bar)
 
 _CONVENTION = ("reward", "is_first", "done")
+TRUNCATED = "truncated"  # Minari's flag, row by row (row 0: False); see the module docstring
 
 
 def _open(dataset):
@@ -86,6 +90,7 @@ def _spec(ds, obs_space, first_episode) -> dict:
                 f"{array.shape[1:]}, but its space says {tuple(shape)}; the dataset is "
                 "inconsistent with its own spaces")
         spec[name] = (shape, array.dtype)
+    spec[TRUNCATED] = ((), np.dtype(np.bool_))
     return spec
 
 
@@ -110,7 +115,8 @@ def from_minari(dataset, *, name: str | None = None, capacity: int | None = None
 
     Rows follow ``shmbuf.gym``'s step convention (module docstring): an
     episode of N steps is N + 1 rows, ``done`` is its termination, a
-    truncation is an ``end_episode`` cut.  Columns come from
+    truncation is an ``end_episode`` cut, and a ``truncated`` column keeps
+    Minari's truncation flag as stored.  Columns come from
     ``shmbuf.gym.spec_for`` on the dataset's spaces, with the dtypes Minari
     stored.  Episodes are copied with ``Writer.extend`` in blocks of at most
     ``block_bytes``, one episode read at a time.  Per-episode infos, seeds
@@ -195,6 +201,7 @@ def _write_episode(writer, dataset_id, ep, obs_leaves, act_leaves, spec, block, 
             rows[key] = col
         rows["is_first"] = np.arange(a, b) == 0
         rows["done"] = (np.arange(a, b) == n) & bool(term[-1])
+        rows[TRUNCATED] = (np.arange(a, b) == n) & bool(trunc[-1])
         writer.extend(**rows)
         bar.update(b - a)
     if not term[-1]:
@@ -257,7 +264,9 @@ def to_minari(buffer, dataset_id: str, *, episodes=None, observation_space=None,
 
     The inverse of ``from_minari``: rows 1..N of an episode become its N
     steps, row 0's observation its first; ``done`` on the last row is the
-    termination, an episode that ended by a cut is truncated.  Observations
+    termination; the truncations are the ``truncated`` column where the
+    buffer has one (``from_minari``), else an episode that ended by a cut is
+    truncated.  Observations
     are stored raw (no JPEG), so Minari -> shmbuf -> Minari is bit-identical
     in observations, actions, rewards, terminations and truncations.
     Episodes go to disk in groups of about ``block_bytes``.
@@ -334,8 +343,11 @@ def _episode_buffer(buffer, index, ep, obs_space, act_space, obs_names, act_name
                                  "not begin with is_first (its first row was not recorded "
                                  "as a reset); it cannot be written as a Minari episode")
     n = len(ep["done"]) - 1
-    trunc = np.zeros(n, np.bool_)
-    trunc[-1:] = not ep["done"][-1]
+    if TRUNCATED in ep:   # from_minari kept the flag itself
+        trunc = ep[TRUNCATED][1:].astype(np.bool_)
+    else:                 # a recorder's buffer: a cut is a truncation
+        trunc = np.zeros(n, np.bool_)
+        trunc[-1:] = not ep["done"][-1]
     return EpisodeBuffer(
         observations=_assemble(obs_space, {k: ep[k] for k in obs_names}, "obs"),
         actions=_assemble(act_space, {k: ep[k][1:] for k in act_names}, "action"),
