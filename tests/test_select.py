@@ -276,3 +276,38 @@ def test_age_buckets_say_when_no_episode_is_long_enough(filled):
     buf, c = filled
     with pytest.raises(shmbuf.NotEnoughDataError, match="finished episode"):
         buf.sample_sequences(4, int(c.ep_len.max()) + 1, select=AgeBuckets([1, 1]))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(shmbuf.Buffer, "update_priorities"),
+                    reason="needs create(..., priorities=True) (issue 19's priorities)")
+def test_prefetched_and_loader_batches_carry_ids(make_buffer):
+    """ids=True through prefetch, a DataLoader worker (the handoff regions) and the
+    dataset in this process: int64 ids of the batch's layout that update_priorities takes."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    buf = make_buffer(SPEC, 8192, chunk_size=64, seed=3, priorities=True)
+    fill(buf)
+    mix = Mixture([(0.5, Uniform()), (0.5, Prioritized())])
+    lead = (LENGTH, 16)
+
+    def check(ids, value):
+        assert ids.dtype == torch.int64 and tuple(ids.shape) == lead
+        ids = ids.numpy()
+        assert buf.update_priorities(ids, np.full(lead, value)) == ids.size
+        assert (buf.priorities_of(ids) == value).all()
+
+    with buf.prefetch(16, LENGTH, device="cpu", select=mix, ids=True, rng=1) as batches:
+        check(next(batches)["ids"], 2.0)
+    loader = DataLoader(buf.dataset(16, LENGTH, select=mix, ids=True, seed=2),
+                        batch_size=None, num_workers=1)
+    check(next(iter(loader))["ids"], 3.0)
+    check(next(iter(buf.dataset(16, LENGTH, ids=True, seed=4)))["ids"], 4.0)
+    plain = make_buffer(SPEC, 1024)
+    for make in (lambda: plain.dataset(4, LENGTH, ids=True),
+                 lambda: plain.prefetch(4, LENGTH, device="cpu", ids=True)):
+        with pytest.raises(ValueError, match="ids=True.*priorities=True"):
+            make()
+    with pytest.raises(TypeError, match="ids must be True or False"):
+        buf.dataset(4, LENGTH, ids="yes")
