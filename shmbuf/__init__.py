@@ -22,7 +22,7 @@ from . import keyed as _keyed
 from . import params as _params
 from ._layout import KIND_KEYED as _KIND_KEYED
 from ._segment import Segment as _Segment
-from .compat._base import facade_for as _facade_for
+from ._facades import facade_for as _facade_for
 from .ratelimit import RateLimit, RateStats
 from .store import Buffer, Stats, create
 from .store import from_segment as _from_segment
@@ -109,7 +109,7 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
         >>> buf2 = shmbuf.load("ckpt/replay", capacity=2 * buf.capacity)
     """
     from ._keyed_saving import holds_keyed
-    from ._saving import load as _load
+    from ._loading import load as _load
 
     if holds_keyed(path):
         if capacity is not None:

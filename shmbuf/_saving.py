@@ -1,4 +1,4 @@
-"""Save a buffer to disk while writers run, and load it back.
+"""Save a buffer to disk while writers run, and open a save for loading.
 
 A save is a directory that numpy alone can read:
 
@@ -50,7 +50,7 @@ from numpy.typing import DTypeLike
 
 from ._checkpoint import FORMAT as STATE_FORMAT, StreamIds, copy_chunks
 from ._errors import BufferClosedError, CorruptSaveError, SaveExistsError
-from ._layout import EP_COLUMN, NO_SLOT, normalize_spec
+from ._layout import EP_COLUMN, normalize_spec
 
 FORMAT, VERSION = "shmbuf-save", 1
 MANIFEST = "manifest.json"
@@ -509,35 +509,3 @@ def open_save(path) -> tuple[dict, dict]:
              "columns": columns, "stream": stream, "episode": episode, "ends": ends,
              "chunks": chunks}
     return manifest, state
-
-
-def load(path, name: str | None = None, capacity: int | None = None, *, seed=None,
-         handle_signals: bool | None = None):
-    """A new buffer holding a save's steps, streams and episodes (see ``shmbuf.load``)."""
-    from . import store
-    from .compat._base import facade_for
-
-    manifest, state = open_save(path)
-    facade = manifest["meta"].get("facade")
-    if capacity is not None and facade and capacity != manifest["capacity"]:
-        raise ValueError(f"capacity: a {facade!r} save keeps its own capacity "
-                         f"({manifest['capacity']}); load it with capacity=None")
-    same = capacity is None or capacity == manifest["capacity"]
-    # Loading replays every saved stream through a writer of its own, all open at once.
-    streams = len(np.unique(state["stream"])) if manifest["rows"] else 0
-    saved_writers = manifest.get("max_writers")
-    writers = max(streams + 1, saved_writers if isinstance(saved_writers, int) else 1, 128)
-    buf = store.create({k: v for k, v in manifest["spec"].items()},
-                       manifest["capacity"] if capacity is None else capacity, name=name,
-                       chunk_size=manifest["chunk_size"] if same else None,
-                       max_writers=min(writers, NO_SLOT - 1),
-                       done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
-                       handle_signals=handle_signals, rate_limit=_rate_limit(path, manifest))
-    state["rate"] = manifest.get("rate")
-    try:
-        buf.restore(state)
-    except BaseException:
-        buf.close()
-        raise
-    cls = facade_for(buf)
-    return buf if cls is None else cls._from_buffer(buf)

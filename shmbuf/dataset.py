@@ -121,6 +121,9 @@ class BatchDataset(IterableDataset):
         for name, (_, dtype) in self._spec.items():
             torch_dtype(dtype, name)
         self._buffer, self._pid = buffer, os.getpid()
+        # How another process opens the buffer by name: what unpickling it calls.  Kept
+        # as that recipe so that this module never imports the store (it sits above it).
+        self._reopen = buffer.__reduce__()
         self._slot_pool = None
 
     @property
@@ -211,10 +214,9 @@ class BatchDataset(IterableDataset):
         """The buffer in this process: the one given, or attached by name (once per process)."""
         if self._pid == os.getpid() and self._buffer is not None:
             return self._buffer
-        from . import store
-
+        attach, args = self._reopen
         try:
-            buf = store.attach(self.name, seed=self._random.seed)
+            buf = attach(*args)
         except SegmentNotFoundError:
             raise SegmentNotFoundError(
                 f"dataset over buffer {self.name!r}: the buffer no longer exists (its owner "

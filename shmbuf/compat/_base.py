@@ -8,23 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _saving, store
+from .. import _loading, _saving, store
 from .._errors import CorruptSaveError, CorruptSegmentError
+from .._facades import register  # noqa: F401  # the facades' decorator, re-exported
 from .._handle import Shared
-
-_REGISTRY: dict[str, type] = {}
-
-
-def register(cls):
-    """Class decorator: lets ``Class.attach`` and ``shmbuf.attach`` find the facade."""
-    _REGISTRY[cls.FACADE] = cls
-    return cls
-
-
-def facade_for(buffer: "store.Buffer"):
-    """The facade class that made ``buffer``, or None for a plain store."""
-    facade = buffer.meta.get("facade")
-    return None if facade is None else _REGISTRY.get(facade)
 
 
 def to_torch(value):
@@ -131,7 +118,7 @@ class Facade(Shared):
             raise CorruptSaveError(
                 f"{str(path)!r} was saved by {_saving.saved_by(manifest)}, not by "
                 f"{cls.__name__}; load it with the matching class or shmbuf.load")
-        return _saving.load(path, name, capacity, seed=seed, handle_signals=handle_signals)
+        return _loading.load(path, name, capacity, seed=seed, handle_signals=handle_signals)
 
     @classmethod
     def _from_buffer(cls, buffer):

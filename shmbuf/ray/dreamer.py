@@ -35,7 +35,7 @@ class ReplayBuffer:
 
     def __init__(self, size: int, obs_shape: tuple, action_size: int, seq_len: int = 50,
                  batch_size: int = 50, *, seed=None, **create_kwargs):
-        from shmbuf.ray import create
+        from shmbuf.ray._open import create
 
         p = transition_params(size, obs_shape, action_size, seq_len, batch_size, frames=0)
         self.size, self.seq_len, self.batch_size = p["size"], p["seq_len"], p["batch_size"]
