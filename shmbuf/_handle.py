@@ -11,7 +11,9 @@ unlink, pickle and use ``with`` through ``Shared``:
   closed file;
 - ``unlink()`` removes the name at once, for the owner in its own process
   only; a forked child that inherited the owner, and every finalizer
-  outside the creating process, only close;
+  outside the creating process, only close.  The handle that unlinked may
+  go on using its mapping; every other handle, in this process too, gets
+  ``BufferClosedError`` (``_ring.ClosedMark``);
 - pickling sends the name: the receiving process calls ``Class.attach(name)``.
 """
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import weakref
 
 from ._errors import BufferClosedError
+from ._layout import CLOSED_OWNER
 from ._segment import unlink as unlink_segment
 
 
@@ -96,6 +99,14 @@ class Shared:
     def _release(self) -> None:
         """Drop this object's references into the mapping (subclasses extend)."""
 
+    def _closed_mark(self):
+        """The ``_ring.ClosedMark`` of the mapping this object works through, or None.
+
+        ``unlink`` sets the closed word through it, which exempts this handle
+        alone from the closed check (subclasses with a mapping override).
+        """
+        return None
+
     def close(self) -> None:
         """Unmap in this process; the owner also unlinks.  Idempotent.
 
@@ -123,6 +134,11 @@ class Shared:
             raise PermissionError(
                 f"{self._describe()} was attached, not created, in this process; only its "
                 f"owner unlinks it (or run 'python -m shmbuf rm {self._name}')")
+        mark = self._closed_mark()
+        if mark is not None:
+            # Marked through our own mapping, so that this handle, and no other
+            # (in this process or any), may go on using it after the unlink.
+            mark.close_here(CLOSED_OWNER)
         try:
             unlink_segment(self._name)
         except FileNotFoundError:

@@ -72,7 +72,8 @@ class KeyWords:
         self.n_keys, self.ring_len, self.max_len = layout.n_chunks, layout.chunk_size, max_len
         self._name = name
         self._label = f"keyed rings {name!r}"
-        self.check_open = ClosedMark(mm, name).check   # check_open(): see _ring.ClosedMark
+        self.mark = ClosedMark(mm, name)   # this handle's: see _ring.ClosedMark
+        self.check_open = self.mark.check   # check_open(): see _ring.ClosedMark
         self.all = np.arange(self.n_keys, dtype=np.int64)
         base = layout.chunks_offset + self.all * CHUNK_ENTRY
         self._count = base + CHUNK_FIELDS["count"]

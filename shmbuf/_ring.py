@@ -104,22 +104,42 @@ def closed_word(mm) -> int:
 
 
 class ClosedMark:
-    """The closed word of one mapping, checked with one relaxed load (both store kinds).
+    """The closed word of one handle's mapping, checked with one relaxed load (both store kinds).
 
     A memoryview read is a plain aligned load, half the cost of a numpy
-    scalar read.  ``check(pid)`` raises BufferClosedError once another
-    process closed the segment; the process that closed it (``pid``, this
-    process if None) is not stopped: after ``unlink()`` an owner may keep
-    using its mapping.
+    scalar read.  ``check(pid)`` raises BufferClosedError once the word is
+    set, for every handle but the one that set it through ``close_here``
+    (and only in the process that did: a forked copy of that handle is
+    another handle): after ``unlink()`` an owner may keep using its
+    mapping, while a second handle in the same process (a collector
+    thread's, say) stops like any other process's.
     """
 
+    exempt_pid: int | None = None   # the pid in which this handle set the word
+
     def __init__(self, mm, name):
+        self._mm = mm
         self.view = memoryview(mm)[_CLOSED:_CLOSED + 8].cast("Q")
         self.name = name
 
+    def close_here(self, reason: int) -> bool:
+        """Set the word through this mapping (before the name goes); True if this call set it.
+
+        Only then is this handle exempt from ``check`` afterwards.
+        """
+        pid = os.getpid()
+        if mark_closed(self._mm, reason, pid):
+            self.exempt_pid = pid
+            return True
+        return False
+
     def check(self, pid: int | None = None) -> None:
+        """Raise BufferClosedError if the word is set, unless this handle set it in ``pid``.
+
+        ``pid``: this process's id, if the caller has it at hand (else ``os.getpid()``).
+        """
         word = self.view[0]
-        if word and word & _U32 != (os.getpid() if pid is None else pid):
+        if word and self.exempt_pid != (os.getpid() if pid is None else pid):
             raise BufferClosedError(closed_message(self.name, word))
 
 
@@ -332,7 +352,7 @@ class Ring:
         # None or full: every page is reserved already (prefault, keyed rings, the CLI)
         self.space = None if space is None or space.full else space
         self._episodes_reserved = 0  # index entries below it are known to be reserved
-        mark = ClosedMark(mm, name)
+        self.mark = mark = ClosedMark(mm, name)   # this handle's: see ClosedMark
         self.closed_view = mark.view   # the writer's C fast path reads it too
         self.check_open = mark.check   # check_open(pid): see ClosedMark
         n, k = layout.n_chunks, layout.chunk_size

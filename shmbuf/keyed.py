@@ -265,6 +265,10 @@ class KeyedRings(Shared):
             self.append(keys, {name: value[at] for name, value in zip(self.spec, values)})
 
     # -- lifecycle --------------------------------------------------------------
+    def _closed_mark(self):
+        words = getattr(self, "_words", None)
+        return None if words is None else words.mark
+
     def _release(self) -> None:
         _signals.forget(self)
         # Closed: every method raises before it reads them, and the mapping can go.

@@ -210,6 +210,9 @@ class ParamBlock(Shared):
             self._table = json.loads(bytes(out["table"][0, 0]).decode())
         return self._table
 
+    def _closed_mark(self):
+        return self._rings._closed_mark()
+
     def _release(self) -> None:
         _signals.forget(self)
         self._rings.close()

@@ -716,6 +716,10 @@ class Buffer(Shared):
             self._limiter.restore(state["rate"])
 
     # -- lifecycle ----------------------------------------------------------------
+    def _closed_mark(self):
+        ring = getattr(self, "_ring", None)
+        return None if ring is None else ring.mark
+
     def _release(self) -> None:
         _signals.forget(self)
         for saver in list(self._savers):

@@ -9,6 +9,7 @@ processes and real signals; every wait has a timeout; children are killed in
 import os
 import signal
 
+import numpy as np
 import pytest
 
 import shmbuf
@@ -97,6 +98,74 @@ def test_owner_keeps_using_its_mapping_after_unlink(make_buffer):
         for pos in range(8):
             w.add(**step_for(0, pos, 0, pos, False))
     verify_batch(buf.sample_sequences(2, 4))
+
+
+@pytest.mark.parametrize("how", ["close", "unlink"])
+def test_a_second_handle_in_the_closing_process_is_stopped_too(make_buffer, how):
+    # A collector thread's handle, say: the exemption is the unlinking handle's,
+    # not its process's.  Its values fit exactly, so add runs the C fast path.
+    buf = make_buffer(SPEC, 64)
+    other = shmbuf.attach(buf.name)
+    mine, theirs = buf.writer(), other.writer()
+    try:
+        for pos in range(4):
+            theirs.add(**step_for(1, pos, 0, pos, False))
+            mine.add(**step_for(0, pos, 0, pos, False))
+        getattr(buf, how)()
+        with pytest.raises(shmbuf.BufferClosedError, match=f"closed by its owner .pid {os.getpid()}."):
+            theirs.add(**step_for(1, 4, 0, 4, False))
+        for call in (lambda: other.sample_steps(1), lambda: other.sample_sequences(1, 2),
+                     other.writer):
+            with pytest.raises(shmbuf.BufferClosedError):
+                call()
+        if how == "unlink":   # the handle that unlinked carries on
+            mine.add(**step_for(0, 4, 0, 4, False))
+            verify_batch(buf.sample_sequences(2, 2))
+    finally:
+        mine.close()
+        theirs.close()
+        other.close()
+
+
+def test_a_facades_second_handle_is_stopped_and_the_unlinking_one_is_not():
+    rb = shmbuf.ReplayBuffer(64, (3, 8, 8), 2, seq_len=2, batch_size=2)
+    other = shmbuf.attach(rb.name)
+    try:
+        args = (np.zeros((3, 8, 8), np.uint8), np.zeros(2, np.float32), 0.0, False)
+        rb.add({"image": args[0]}, *args[1:])
+        other.add({"image": args[0]}, *args[1:])
+        rb.unlink()
+        rb.add({"image": args[0]}, *args[1:])
+        with pytest.raises(shmbuf.BufferClosedError):
+            other.add({"image": args[0]}, *args[1:])
+    finally:
+        other.close()
+        rb.close()
+
+
+def test_keyed_rings_and_parameter_blocks_stop_a_second_handle_in_the_process():
+    from shmbuf.params import ParamBlock
+
+    hist = shmbuf.HistoryBuffer(2, 4)
+    block = ParamBlock.create({"w": np.zeros(3, np.float32)})
+    handles = []
+    try:
+        hist.append({"x": np.array([1.0, 2.0])})
+        block.publish({"w": np.ones(3, np.float32)})
+        h2, b2 = shmbuf.attach(hist.name), shmbuf.attach(block.name)
+        handles += [h2, b2]
+        hist.unlink()
+        block.unlink()
+        hist.append({"x": np.array([3.0, 4.0])})           # the unlinking handles go on
+        assert hist.get(1)["x"].tolist() == [[3.0], [4.0]]
+        assert block.publish({"w": np.full(3, 2, np.float32)}) == 2
+        for call in (lambda: h2.append({"x": np.array([5.0, 6.0])}), lambda: h2.get(1),
+                     b2.read, b2.version):
+            with pytest.raises(shmbuf.BufferClosedError, match="closed by its owner"):
+                call()
+    finally:
+        for h in handles + [hist, block]:
+            h.close()
 
 
 def test_samplers_waiters_and_attachers_learn_it(make_buffer):

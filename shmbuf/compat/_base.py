@@ -150,6 +150,9 @@ class Facade(Shared):
         if writer is not None:
             writer.close()
 
+    def _closed_mark(self):
+        return None if self.buffer is None else self.buffer._closed_mark()
+
     def _release(self) -> None:
         self._drop_writer()
         if self.buffer is not None:

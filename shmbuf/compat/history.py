@@ -376,6 +376,9 @@ class HistoryBuffer(Shared):
         self._adopt(rings, params_from_rings=params is None)
         return self
 
+    def _closed_mark(self):
+        return None if self._rings is None else self._rings._closed_mark()
+
     def _release(self) -> None:
         _signals.forget(self)
         if self._rings is not None:
