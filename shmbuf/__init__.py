@@ -94,7 +94,8 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
         path: the save's directory.
         name: the new segment's name; generated if None.
         capacity: steps the new buffer holds; default the saved buffer's.  A
-            smaller one keeps the newest steps.  A facade's or HistoryBuffer's
+            smaller one keeps the newest ``capacity`` steps, even when it is
+            smaller than one saved chunk (that chunk loses its oldest steps).  A facade's or HistoryBuffer's
             save keeps its own (pass None).
         seed, handle_signals: as in ``create``.
 

@@ -295,6 +295,9 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
     if ends.shape != (n,) or starts.ndim != 1 or len(starts) and (
             starts.min() < 0 or starts.max() >= n):
         raise ValueError("state: 'ends' or 'chunks' do not fit the rows")
+    if n > buf.capacity:
+        state, stream, ends, starts = newest_rows(state, stream, ends, starts, buf.capacity)
+        n = len(stream)
     ring.clear()
     replay = _Replay(buf, state, ends)
     try:
@@ -303,6 +306,24 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
         replay.drain(force=True)
     finally:
         replay.close()
+
+
+def newest_rows(state: dict[str, Any], stream: np.ndarray, ends: np.ndarray,
+                starts: np.ndarray, keep: int) -> tuple:
+    """The checkpoint cut to its newest ``keep`` rows: ``(state, stream, ends, starts)``.
+
+    Rows are whole chunks in claim order, oldest first, so the newest steps
+    are a suffix; the chunk it cuts in two loses its oldest steps, as if the
+    buffer had recycled them (an episode that began there comes back shorter).
+    Replaying only what fits means no run is ever longer than the capacity.
+    """
+    cut = len(stream) - keep
+    kept = starts[starts >= cut] - cut
+    if not len(kept) or kept[0] != 0:
+        kept = np.concatenate([[0], kept]).astype(np.int64)
+    state = dict(state, stream=stream[cut:], episode=np.asarray(state["episode"])[cut:],
+                 columns={k: np.asarray(v)[cut:] for k, v in state["columns"].items()})
+    return state, stream[cut:], ends[cut:], kept
 
 
 class _Replay:

@@ -369,3 +369,25 @@ def test_a_cut_last_episode_stays_finished_and_episodes_end_in_order(make_buffer
         assert len(after) == 3 and not after.terminal[-1]  # the cut one too
     for w in writers:
         w.close()
+
+
+@pytest.mark.parametrize("capacity", [10, 1, 30])
+def test_a_capacity_below_a_saved_chunk_keeps_the_newest_steps(make_buffer, tmp_path, capacity):
+    # Saved chunks of 14 steps; the new buffer holds fewer than one of them.
+    spec = {"x": ((), np.int64), "done": ((), np.bool_)}
+    buf = make_buffer(spec, 64 * 14, chunk_size=14)
+    with buf.writer() as w:
+        w.extend(x=np.arange(100), done=np.arange(100) % 30 == 29)
+    buf.save(tmp_path / "s")
+    loaded = shmbuf.load(tmp_path / "s", capacity=capacity)
+    restored = make_buffer(spec, capacity)
+    restored.load_state_dict(buf.state_dict())   # the same rule for checkpoints
+    try:
+        for small in (loaded, restored):
+            assert len(small) == capacity
+            held = set(small.sample_steps(200, rng=0)["x"].tolist())
+            assert held == set(range(100 - capacity, 100))
+            windows = small.sample_sequences(50, min(capacity, 5), rng=0)["x"]
+            assert (np.diff(windows, axis=0) == 1).all()   # in order, never past an end
+    finally:
+        loaded.close()
