@@ -462,7 +462,8 @@ static PyTypeObject RateGateType = {
  *   - returns -1 having published nothing: a column is missing or unknown, a
  *     value is not an exact ndarray (or numpy scalar) of its column's dtype
  *     and shape, nor a Python bool/int/float that the column holds exactly
- *     (_cast.scalar_fast_path's rules), a stream's chunk is full, the
+ *     (_cast.scalar_fast_path's rules), a float done value is not exactly 0
+ *     or 1, a stream's chunk is full, the
  *     buffer's closed word is set (the Python path decides what that means),
  *     or the rate limiter (`gate`) does not admit the first step now (checked
  *     before the copy, and again by the reserving CAS after it; only a lost
@@ -773,6 +774,26 @@ truth_of(const Col *c, const char *p)
     return 0;
 }
 
+/* 1 if each of the n values of float column c at p is exactly 0 or 1 (a float done
+ * column holds flags only: 0.5 or -3.0 must not end an episode; NaN is neither). */
+static int
+float_flags(const Col *c, const char *p, npy_intp n)
+{
+    for (npy_intp j = 0; j < n; j++, p += c->itemsize) {
+        double x;
+        if (c->itemsize == 4) {
+            float f;
+            memcpy(&f, p, 4);
+            x = f;
+        } else {
+            memcpy(&x, p, 8);
+        }
+        if (x != 0.0 && x != 1.0)
+            return 0;
+    }
+    return 1;
+}
+
 /*
  * Check value v of column c for `lead` rows (0: a single step) without
  * writing: 1 and *src = its bytes if it goes as it is, 0 if not.  Python
@@ -848,8 +869,11 @@ append(Appender *self, PyObject *columns, int batch)
         }
         if (!value_fits(c, v, batch ? n : 0, &src[i], scratch[i], &t))
             return PyLong_FromLong(-1);
-        if (i == self->done)
+        if (i == self->done) {
+            if (c->kind == 'f' && !float_flags(c, src[i], n))
+                return PyLong_FromLong(-1);   /* the Python path names the value */
             truth = t;
+        }
     }
     /* Room in every stream's chunk, and rows and count words inside the mapping. */
     if (batch && *self->left <= 0)

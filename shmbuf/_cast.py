@@ -137,3 +137,25 @@ def scalar_fast_path(value, dtype: np.dtype) -> bool:
             return info.min <= value <= info.max
         return kind == "f" and abs(value) <= 2 ** np.finfo(dtype).nmant
     return False
+
+
+def check_flags(label: str, value, dtype: np.dtype, at) -> None:
+    """Refuse a float (or complex) done value that is not exactly 0 or 1.
+
+    A float done column holds flags: 0.5 or -3.0 must not end an episode
+    silently, nor NaN.  The writer calls this for float done columns only,
+    with the value it is about to store (a step, or one value per step or
+    env; a Python scalar the column holds exactly comes as it is) and the
+    column's ``dtype``.  ``at(i)`` names the step of flat index ``i`` for
+    the message.
+
+    Raises:
+        ValueError: naming the value and the step; the caller writes nothing.
+    """
+    flat = np.asarray(value).astype(dtype, copy=False).reshape(-1)   # lossless: coerced
+    bad = np.flatnonzero((flat != 0) & (flat != 1))
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"{label}: a float done column takes exactly 0 or 1 (1 ends the "
+                         f"episode), got {flat[i].item()!r} at {at(i)}; pass a bool or 0/1, or "
+                         "create the buffer with a bool done column; nothing was written")

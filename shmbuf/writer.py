@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._cast import coerce, scalar_fast_path
+from ._cast import check_flags, coerce, scalar_fast_path
 from ._errors import BufferClosedError, SharedMemoryFullError
 from ._layout import EP_COLUMN, Layout
 from ._ring import Ring, Slot, Streams, copy_rows
@@ -53,6 +53,9 @@ class Writer:
         self._ep_col = views[EP_COLUMN]
         self._done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
         self._done_index = lay.done_column
+        # A float done column holds flags only (_cast.check_flags); others need no check.
+        self._done_dtype = lay.columns[lay.done_column].dtype if self._done is not None else None
+        self._float_done = self._done_dtype is not None and self._done_dtype.kind in "fc"
         self._bind()
 
     def _bind(self) -> None:
@@ -107,8 +110,10 @@ class Writer:
 
         Raises:
             KeyError: a column is missing or unknown.
-            ValueError / TypeError: a value has the wrong shape, or its dtype
-                would lose information; nothing is written.
+            ValueError / TypeError: a value has the wrong shape, its dtype
+                would lose information, or a float ``done`` is not exactly 0
+                or 1 (the message names the value and the step); nothing is
+                written.
             BufferClosedError: the writer or the buffer is closed, here or by
                 its owner in another process (or by ``shmbuf rm`` / ``gc``).
             WaitTimeoutError: the buffer's rate limit (``RateLimit``, with
@@ -137,6 +142,10 @@ class Writer:
         self._check()
         self._check_names(columns, "add")
         values = self._coerce_all(columns, (), "add")
+        if self._float_done:
+            check_flags(f"add({self._done}=...)", values[self._done_index],
+                        self._done_dtype,
+                        lambda i: f"this writer's step {self._steps}")
         s = self._solo
         if s is None:
             s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
@@ -185,6 +194,10 @@ class Writer:
                              f"{len(self._batch)} env streams, got {n} rows; use one "
                              "writer per vectorised env")
         values = self._coerce_all(columns, (n,), "add_batch")
+        if self._float_done:
+            check_flags(f"add_batch({self._done}=...)", values[self._done_index],
+                        self._done_dtype,
+                        lambda i: f"env row {i} of this writer's step {self._steps // n}")
         s = self._batch
         if s is None:
             s = self._batch = self._slot.open_streams(n, self._on_claim, self._limit)
@@ -239,6 +252,10 @@ class Writer:
         self._check_names(columns, "extend")
         n = self._run_length(columns)
         values = self._coerce_all(columns, (n,), "extend")
+        if self._float_done:
+            check_flags(f"extend({self._done}=...)", values[self._done_index],
+                        self._done_dtype,
+                        lambda i: f"step {i} of the run")
         s = self._solo
         if s is None:
             s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)

@@ -451,3 +451,46 @@ def test_values_that_fit_are_accepted_whatever_their_dtype(make_buffer):
     with buf.writer() as w:
         w.add(x=np.array([0, 7, 255], np.int64), f=np.float64(0.25))
     assert buf.arrays["x"][0].tolist() == [0, 7, 255]
+
+
+FLOAT_DONE = {"x": ((), np.float32), "done": ((), np.float32)}
+
+
+@pytest.mark.parametrize("value", [0.5, -3.0, np.float32(0.5), np.float32(-3.0), float("nan"),
+                                   2], ids=["half", "minus3", "f32-half", "f32-minus3", "nan",
+                                            "int-2"])
+def test_a_float_done_column_takes_exactly_0_or_1(make_buffer, value):
+    buf = make_buffer(FLOAT_DONE, CAPACITY)
+    w = buf.writer()
+    for t in range(3):   # exact dtypes: later adds go through the C fast path
+        w.add(x=np.float32(t), done=np.float32(0.0))
+    assert w._fast_add is not None
+    before = state(buf)
+    shown = "nan" if value != value else repr(float(value))
+    with pytest.raises(ValueError, match=rf"add\(done=...\).* exactly 0 or 1.*got {shown} "
+                                         r"at this writer's step 3"):
+        w.add(x=np.float32(3), done=value)
+    assert_unchanged(buf, before)
+    w.add(x=np.float32(3), done=np.float32(1.0))   # a true flag still ends the episode
+    w.add(x=np.float32(4), done=1.0)
+    assert buf.stats().episodes == 2
+    w.close()
+
+
+def test_add_batch_and_extend_refuse_float_done_values_but_0_and_1(make_buffer):
+    buf = make_buffer(FLOAT_DONE, CAPACITY)
+    batch, run = buf.writer(), buf.writer()
+    ok = {"x": np.zeros(N_ENVS, np.float32), "done": np.zeros(N_ENVS, np.float32)}
+    batch.add_batch(**ok)
+    assert batch._fast_batch is not None
+    before = state(buf)
+    with pytest.raises(ValueError, match=r"add_batch\(done=...\).*got 0.25 at env row 2"):
+        batch.add_batch(x=ok["x"], done=np.array([0, 1, 0.25], np.float32))
+    with pytest.raises(ValueError, match=r"extend\(done=...\).*got -1.0 at step 4 of the run"):
+        run.extend(x=np.zeros(6, np.float32), done=np.array([0, 0, 1, 0, -1, 0], np.float32))
+    assert_unchanged(buf, before)
+    run.extend(x=np.zeros(6, np.float32), done=np.array([0, 0, 1, 0, 0, 1], np.float64))
+    batch.add_batch(x=ok["x"], done=np.array([0, 1, 0], np.float32))
+    assert buf.stats().episodes == 3
+    batch.close()
+    run.close()
