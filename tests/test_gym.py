@@ -264,6 +264,51 @@ def test_close_closes_the_writer_and_cuts_the_open_episode(make_buffer):
     assert buf.sample_sequences(1, 2)["action"][1, 0] == 2
 
 
+def _no_zero_step_episode(buf, finished: int) -> None:
+    """Only real episodes are indexed: none is a lone reset row, and samplers agree."""
+    eps = buf.episodes()
+    assert len(eps) == finished and eps.length.min() >= 2, eps.length.tolist()
+    assert buf.count_episodes(1) == finished
+    indexed = {int(ep["obs_ids"][0, 0]) for ep in buf.iter_episodes()}
+    drawn = buf.sample_sequences(200, 1, uniform="episodes", rng=0)["obs_ids"][0, :, 0]
+    assert set(drawn.tolist()) <= indexed   # a lone reset row would be drawn 1 time in E + 1
+
+
+def test_closing_after_a_reset_with_no_step_indexes_no_episode(make_buffer):
+    # gymnasium's usual loop: the last episode ends, reset() starts the next, close().
+    env = StepEnv(max_len=4)
+    buf = make_buffer(spec_for(env), capacity=256)
+    rec = RecordEpisodes(env, buf)
+    for seed in range(3):
+        rec.reset(seed=seed)
+        while not any(rec.step(1)[2:4]):
+            pass
+    rec.reset()
+    rec.close()
+    _no_zero_step_episode(buf, 3)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+def test_a_vector_recorder_closing_after_resets_indexes_no_zero_step_episode(make_buffer, mode):
+    envs = make_vec("sync", mode, 2, functools.partial(make_step_env, 3))
+    buf = make_buffer(spec_for(envs), capacity=512)
+    rec = RecordVectorEpisodes(envs, buf)
+    rec.reset(seed=0)
+    for _ in range(50):   # until a sub-env's open episode is only its reset row
+        _, _, term, trunc, _ = rec.step(np.array([1, 1]))
+        ended = term | trunc
+        if mode == AutoresetMode.DISABLED and ended.any():
+            rec.reset(options={"reset_mask": ended})
+        if mode == AutoresetMode.NEXT_STEP and ended.any():
+            rec.step(np.array([1, 1]))   # this call writes the ended sub-envs' reset rows
+        if ended.any() and len(buf.episodes()) >= 2:
+            break
+    finished = len(buf.episodes())
+    assert finished >= 2
+    rec.close()
+    _no_zero_step_episode(buf, finished)
+
+
 def test_spaces_and_values_pass_through_unchanged(make_buffer):
     env = gym.make("CartPole-v1")
     buf = make_buffer(spec_for(env), capacity=64)

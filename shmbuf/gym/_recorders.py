@@ -176,6 +176,7 @@ class RecordEpisodes(gym.Wrapper):
         self._rows = _Rows(buffer, env.observation_space, env.action_space, "RecordEpisodes")
         self._writer = buffer.writer()
         self._open = False
+        self._stepped = False   # the open episode has a step besides its reset row
         self._closed = False
 
     def reset(self, *, seed=None, options=None):
@@ -183,7 +184,7 @@ class RecordEpisodes(gym.Wrapper):
         if self._open:
             self._writer.end_episode()  # reset mid-episode: the episode is cut
         self._writer.add(**self._rows.first(obs))
-        self._open = True
+        self._open, self._stepped = True, False
         return obs, info
 
     def step(self, action):
@@ -192,6 +193,7 @@ class RecordEpisodes(gym.Wrapper):
                               "call reset() before step()")
         obs, reward, terminated, truncated, info = self.env.step(action)
         self._writer.add(**self._rows.step(obs, action, reward, terminated))
+        self._stepped = True
         if terminated or truncated:
             self._open = False
             if not terminated:
@@ -199,11 +201,17 @@ class RecordEpisodes(gym.Wrapper):
         return obs, reward, terminated, truncated, info
 
     def close(self):
-        """Cut the open episode and close the writer (never the buffer), then the env."""
+        """Cut the open episode and close the writer (never the buffer), then the env.
+
+        An episode that is only its reset row (``reset`` then ``close``, the
+        end of gymnasium's usual loop) is not cut: it has no step, and cutting
+        it would index a 0-step episode that ``count_episodes`` and
+        ``uniform="episodes"`` would count.
+        """
         if not self._closed:
             self._closed = True
             with contextlib.suppress(BufferClosedError):
-                if self._open:
+                if self._open and self._stepped:
                     self._writer.end_episode()
             self._open = False
             self._writer.close()
@@ -261,6 +269,7 @@ class RecordVectorEpisodes(VectorWrapper):
         sink = _BatchSink if self._mode == AutoresetMode.NEXT_STEP else _PerEnvSink
         self._sink = sink(buffer, n)
         self._open = np.zeros(n, np.bool_)    # a sub-env's episode has rows and no end yet
+        self._stepped = np.zeros(n, np.bool_)  # ... and a step besides its reset row
         self._ended = np.zeros(n, np.bool_)   # NEXT_STEP: the next call resets these
         self._recorder_closed = False
 
@@ -278,6 +287,7 @@ class RecordVectorEpisodes(VectorWrapper):
                 self._sink.cut(i)
             self._sink.add_all(self._rows.first_batch(obs, self._n))
             self._open[:] = True
+            self._stepped[:] = False
             self._ended[:] = False
         else:
             cols = {leaf.name: np.asarray(leaf.pick(obs)) for leaf in self._rows.obs}
@@ -286,6 +296,7 @@ class RecordVectorEpisodes(VectorWrapper):
                     self._sink.cut(i)
                 self._sink.add(i, self._rows.first_of(_one(cols, i)))
             self._open[mask] = True
+            self._stepped[mask] = False
         return obs, info
 
     def step(self, actions):
@@ -304,10 +315,12 @@ class RecordVectorEpisodes(VectorWrapper):
             ended = (term | trunc) & ~first
             self._ended = ended
             self._open = ~ended
+            self._stepped = ~first   # a first env's row is its reset row
         else:
             no_first = np.zeros(self._n, np.bool_)
             cols = self._rows.step_batch(obs, actions, rewards, term, no_first)
             ended = term | trunc
+            self._stepped[:] = True
             if self._mode == AutoresetMode.SAME_STEP:
                 self._same_step(cols, ended, info)
             else:
@@ -337,13 +350,17 @@ class RecordVectorEpisodes(VectorWrapper):
             cols = {leaf.name: np.asarray(leaf.pick(obs)) for leaf in self._rows.obs}
             for i in envs:
                 self._sink.add(i, self._rows.first_of(_one(cols, i)))
-
+            self._stepped[envs] = False
     def close(self, **kwargs):
-        """Cut the open episodes and close the writers (never the buffer), then the env."""
+        """Cut the open episodes and close the writers (never the buffer), then the env.
+
+        As ``RecordEpisodes.close``: a sub-env whose episode is only its reset
+        row is not cut (no 0-step episode is indexed).
+        """
         if not self._recorder_closed:
             self._recorder_closed = True
             with contextlib.suppress(BufferClosedError):
-                for i in np.flatnonzero(self._open):
+                for i in np.flatnonzero(self._open & self._stepped):
                     self._sink.cut(i)
             self._open[:] = False
             self._sink.close()
