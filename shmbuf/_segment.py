@@ -106,6 +106,7 @@ class Segment:
     size = 0
     owner = False
     space: Space | None = None  # the pages reserved, through a descriptor kept open
+    inode = None      # the creator's: what its name must still lead to once published
 
     @classmethod
     def create(cls, name: str, size: int, *, reserve: int | None = None,
@@ -170,8 +171,25 @@ class Segment:
             self.owner = True  # this process unlinks it now
 
     def publish(self, header: bytes) -> None:
-        """Write ``header`` at offset 0, its magic last: attachers wait for it."""
+        """Write ``header`` at offset 0, its magic last: attachers wait for it.
+
+        Then the creator checks that its name still leads to this segment.
+        Someone who removed the name while the header was unpublished (``shmbuf
+        rm --force`` during a large create) could not mark it closed; after
+        this check, a removal marks it (``unlink`` marks again after removing
+        the name), so the handle learns it at its first call.
+
+        Raises:
+            SegmentNotFoundError: the name was removed (or now names another
+                segment); the name is left alone and ``unlink`` does nothing.
+        """
         _ring.publish_header(self.mmap, header)
+        if self.inode is not None and _inode_of(self.name) != self.inode:
+            self.owner = False   # the name is not ours to unlink any more
+            raise SegmentNotFoundError(
+                errno.ENOENT, f"segment {self.name!r} was removed while it was being created "
+                "(by 'shmbuf rm --force' or another unlink of that name): nobody could attach "
+                "to it, so create gave it up and nothing was created; create it again")
 
     def published(self) -> bool:
         """True once the creator has written a whole header, or the segment is foreign.
@@ -238,7 +256,17 @@ class Segment:
                 pass  # views outlive us; the mapping goes when the last one does
 
     def unlink(self) -> None:
-        unlink(self.name)
+        """Remove the name; a no-op once ``publish`` found it no longer leads here."""
+        if self.owner or self.inode is None:
+            unlink(self.name)
+
+
+def _inode_of(name: str) -> int | None:
+    """The inode that ``/dev/shm/name`` is now, or None if there is none."""
+    try:
+        return os.stat(os.path.join(SHM_DIR, name)).st_ino
+    except FileNotFoundError:
+        return None
 
 
 def unlink(name: str, reason: int = CLOSED_OWNER) -> None:
@@ -250,19 +278,53 @@ def unlink(name: str, reason: int = CLOSED_OWNER) -> None:
     into memory that nobody can attach to any more.
     """
     validate_name(name)
-    _mark_closed(name, reason)
-    try:
-        posix_ipc.unlink_shared_memory("/" + name)
-    except posix_ipc.Error as exc:
-        raise _translate(exc, name, "unlink") from None
+    _remove(name, reason, quiet=False)
 
 
 def _unlink_quietly(name: str) -> None:
-    _mark_closed(name, CLOSED_OWNER)
+    _remove(name, CLOSED_OWNER, quiet=True)
+
+
+def _remove(name: str, reason: int, quiet: bool) -> None:
+    """Mark shmbuf segment ``name`` closed, remove the name, and mark it again if it was not.
+
+    The second mark is for a segment whose creator was still writing its
+    header at the first (the descriptor stays open, so the segment is still
+    reachable after the name is gone): if the creator published since, it
+    learns that its name is gone from the closed word; if it publishes later,
+    ``Segment.publish`` finds the name gone.  Either way no creator writes on
+    into a segment that nobody can attach to.
+    """
     try:
-        posix_ipc.unlink_shared_memory("/" + name)
+        shm = posix_ipc.SharedMemory("/" + name)
     except posix_ipc.Error:
-        pass
+        shm = None   # gone, or not ours to open: the unlink below reports it
+    try:
+        marked = shm is not None and _mark_through(shm, reason)
+        try:
+            posix_ipc.unlink_shared_memory("/" + name)
+        except posix_ipc.Error as exc:
+            if not quiet:
+                raise _translate(exc, name, "unlink") from None
+        if shm is not None and not marked:
+            _mark_through(shm, reason)
+    finally:
+        if shm is not None:
+            shm.close_fd()
+
+
+def _mark_through(shm, reason: int) -> bool:
+    """Set the closed word through descriptor ``shm``; True if it is set by this call."""
+    try:
+        if os.fstat(shm.fd).st_size < COLUMN_TABLE:
+            return False   # not sized yet: its creator's publish will find the name gone
+        mm = mmap.mmap(shm.fd, COLUMN_TABLE, flags=mmap.MAP_SHARED)
+    except (OSError, ValueError):
+        return False   # not mappable: nobody can be writing into it through us
+    try:
+        return _ring.mark_closed(mm, reason, os.getpid())
+    finally:
+        mm.close()
 
 
 def _mark_closed(name: str, reason: int) -> None:
@@ -270,16 +332,9 @@ def _mark_closed(name: str, reason: int) -> None:
     try:
         shm = posix_ipc.SharedMemory("/" + name)
     except posix_ipc.Error:
-        return  # gone, or not ours to open: unlink reports it
+        return
     try:
-        if shm.size >= COLUMN_TABLE:
-            mm = mmap.mmap(shm.fd, COLUMN_TABLE, flags=mmap.MAP_SHARED)
-            try:
-                _ring.mark_closed(mm, reason, os.getpid())
-            finally:
-                mm.close()
-    except (OSError, ValueError):
-        pass  # not mappable: nobody can be writing into it through us
+        _mark_through(shm, reason)
     finally:
         shm.close_fd()
 
@@ -343,8 +398,11 @@ class Reservation:
             if not isinstance(exc, Exception):
                 raise
             raise _translate(exc, self.name, "create") from exc
+        inode = os.fstat(fd).st_ino
         self.close()
-        return Segment._wrap(self.name, mm, size, owner=True, fd=fd)
+        seg = Segment._wrap(self.name, mm, size, owner=True, fd=fd)
+        seg.inode = inode
+        return seg
 
     def close(self) -> None:
         """Close the descriptor (idempotent); the name stays until ``unlink``."""

@@ -8,12 +8,14 @@ processes and real signals; every wait has a timeout; children are killed in
 """
 import os
 import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import _segment, cli
+from shmbuf import _ring, _segment, cli
 from shmbuf._layout import CLOSED_OWNER
 from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
 from helpers.workers import SPEC, step_for, verify_batch
@@ -242,6 +244,62 @@ def test_shmbuf_rm_and_gc_mark_closed_before_removing(command, capsys):
             owner.close()
         if buf is not None:
             buf.close()
+
+
+def _rm_force(name: str) -> None:
+    """``shmbuf rm --force NAME`` in a process of its own, as a user at a shell would."""
+    done = subprocess.run([sys.executable, "-m", "shmbuf", "rm", "--force", name],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "removed" in done.stdout, done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_rm_force_while_create_writes_its_header_is_noticed(monkeypatch, when):
+    # The window of a large create: the name exists, the header is not (or only just)
+    # published.  create must not return a buffer that nobody can attach to.
+    name = f"shmbuf-test-rm-during-create-{os.getpid()}"
+    real = _ring.publish_header
+
+    def publish(mm, header):
+        if when == "before":
+            _rm_force(name)
+        real(mm, header)
+        if when == "after":
+            _rm_force(name)
+
+    monkeypatch.setattr(_ring, "publish_header", publish)
+    with pytest.raises(shmbuf.SegmentNotFoundError, match="removed while it was being created"):
+        shmbuf.create(SPEC, 256, name=name)
+    monkeypatch.undo()
+    assert not shm_exists(name)
+    with pytest.raises(shmbuf.SegmentNotFoundError):
+        shmbuf.attach(name)
+
+
+@pytest.mark.slow
+def test_rm_force_of_a_history_buffers_reserved_name_stops_its_first_append():
+    hist = shmbuf.HistoryBuffer(2, 4)   # holds the name; the segment is sized at the first append
+    try:
+        _rm_force(hist.name)
+        with pytest.raises(shmbuf.SegmentNotFoundError, match="removed while it was being created"):
+            hist.append({"x": np.array([1.0, 2.0])})
+        assert not shm_exists(hist.name)
+    finally:
+        hist.close()
+
+
+@pytest.mark.slow
+def test_rm_force_after_create_stops_the_creators_own_handle():
+    buf = shmbuf.create(SPEC, 256)
+    try:
+        w = buf.writer()
+        w.add(**step_for(0, 0, 0, 0, False))
+        _rm_force(buf.name)
+        with pytest.raises(shmbuf.BufferClosedError, match="'shmbuf rm'"):
+            w.add(**step_for(0, 1, 0, 1, False))
+    finally:
+        buf.close()
 
 
 def test_marking_leaves_foreign_and_missing_segments_alone(make_buffer):
