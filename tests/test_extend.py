@@ -331,3 +331,49 @@ def test_starts_word_decides_windows_like_the_ep_column(chunk_size, steps):
                 finally:
                     table[:, starts_col] = saved
                 assert exact.tolist() == by_ep.tolist(), (length, tail)
+
+
+# -- a writer SIGKILLed inside extend leaves a chunk-aligned prefix ----------------------
+KILLED_INSIDE_EXTEND = """
+    import os, signal, sys
+    import numpy as np
+    import shmbuf
+    from shmbuf import _ring
+    buf = shmbuf.attach(sys.argv[1])
+    real, published = _ring.Streams.publish_run, []
+
+    def publish_run(self, i, n, ends):   # the kill lands between two chunk publishes
+        real(self, i, n, ends)
+        published.append(n)
+        if len(published) == 2:
+            print("killed", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _ring.Streams.publish_run = publish_run
+    w = buf.writer()
+    done = np.zeros(40, bool)
+    done[5] = True                      # episode A: steps 0..5; B begins at step 6
+    w.extend(x=np.arange(40), done=done)
+"""
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_extend_leaves_its_episode_unfinished_and_unindexed(make_buffer):
+    from helpers.stop_workers import Script
+
+    buf = make_buffer({"x": ((), np.int64), "done": ((), np.bool_)}, 256, chunk_size=8)
+    child = Script(KILLED_INSIDE_EXTEND.replace("sys.argv[1]", repr(buf.name)))
+    try:
+        assert child.line() == "killed" and child.wait() == -9
+    finally:
+        child.close()
+    assert len(buf) == 16                                  # two whole chunks of the run
+    assert buf.episodes().length.tolist() == [6]           # A; B never finishes
+    assert buf.count_episodes(1) == 1
+    drawn = buf.sample_sequences(100, 3, uniform="episodes", rng=0)["x"]
+    assert drawn.max() <= 5                                # episodes mode: A only
+    assert [ep["x"].tolist() for ep in buf.iter_episodes()] == [list(range(6))]
+    assert [ep["x"].tolist() for ep in buf.iter_episodes(include_open=True)] == [
+        list(range(6)), list(range(6, 16))]                # the prefix, asked for
+    steps = buf.sample_sequences(200, 3, rng=0)["x"]       # steps mode: B's prefix too
+    assert steps.max() == 15 and (np.diff(steps, axis=0) == 1).all()
