@@ -379,6 +379,17 @@ class HistoryBuffer(Shared):
     def _closed_mark(self):
         return None if self._rings is None else self._rings._closed_mark()
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (the owner); a no-op before the first append.
+
+        Until then the name is only reserved and there is no segment to remove:
+        the reservation stays, so the first append still creates the buffer
+        under its name (``close()`` gives the name back).
+        """
+        if self._rings is None and self.owner:
+            return
+        super().unlink()
+
     def _release(self) -> None:
         _signals.forget(self)
         if self._rings is not None:
