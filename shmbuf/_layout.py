@@ -307,11 +307,15 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         chunk_size = default_chunk_size(capacity)
     chunk_size = check_int("chunk_size", chunk_size, 1, capacity)
     max_writers = check_int("max_writers", max_writers, 1, NO_SLOT - 1)
-    if done_key == "done" and "done" not in columns_in:
-        done_key = None  # the default names an optional column
     if done_key is not None:
         if done_key not in columns_in:
-            raise ValueError(f"done_key {done_key!r} is not a column of spec {sorted(columns_in)}")
+            # Never dropped silently: a terminal flag under another name would
+            # otherwise end no episode, and windows would cross episode ends.
+            raise ValueError(
+                f"done_key {done_key!r} is not a column of the spec, whose columns are "
+                f"{sorted(columns_in)}; pass done_key='<column>' naming the per-step flag "
+                "whose true value ends an episode, or done_key=None for a buffer without "
+                "episodes (no window is then ever cut at an episode end)")
         if columns_in[done_key][0] != ():
             raise ValueError(f"done_key {done_key!r} must name a per-step scalar column, "
                              f"but its shape is {columns_in[done_key][0]}")

@@ -747,7 +747,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         name: segment name (letters, digits, ``._-``); generated if None.
         chunk_size: steps per chunk; default ``min(512, capacity // 64)``, at least 1.
         max_writers: writer objects that may be open at once.
-        done_key: the scalar column whose true value ends an episode, or None.
+        done_key: the scalar column whose true value ends an episode (a bool
+            or integer column, or a float one holding exactly 0 or 1).  It
+            must be in ``spec``: the default ``"done"`` too.  Only an
+            explicit None makes a buffer without episodes.
         seed: seed of the buffer's random streams: every process that samples
             draws its own stream, a function of ``seed`` and of the process
             (this one, a DataLoader worker, another child); fresh OS entropy
@@ -785,7 +788,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         BufferClosedError, and unlinks the segment.
 
     Raises:
-        ValueError / TypeError: a bad argument, before any system call.
+        ValueError / TypeError: a bad argument, before any system call (a
+            ``done_key`` that is not in ``spec`` among them).
         SegmentExistsError: ``name`` is taken.
         SharedMemoryFullError: the capacity exceeds the size of /dev/shm
             (see ``overcommit``), or /dev/shm has too little free space for

@@ -24,7 +24,7 @@ def orphan():
     """A buffer whose owner was SIGKILLed, so its segment outlived it."""
     name = f"shmbuf-test-cli-orphan-{os.getpid()}"
     code = (f"import shmbuf, numpy as np, sys; b = shmbuf.create({{'x': ((2,), np.uint8)}}, 64, "
-            f"name={name!r}); print('ready', flush=True); sys.stdin.read()")
+            f"done_key=None, name={name!r}); print('ready', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
     try:

@@ -486,7 +486,7 @@ def test_attach_by_name_shares_the_buffer_and_its_parameters(make_rb):
         clone.close()
     with pytest.raises(SegmentNotFoundError):
         ReplayBuffer.attach("shmbuf-diamond-missing")
-    with shmbuf.create({"x": ((), np.float32)}, 16) as plain:
+    with shmbuf.create({"x": ((), np.float32)}, 16, done_key=None) as plain:
         with pytest.raises(CorruptSegmentError, match="ReplayBuffer"):
             ReplayBuffer.attach(plain.name)
 

@@ -396,7 +396,7 @@ def test_constructor_validates_and_exposes_attributes(make):
     assert buf.rng.integers(1 << 30) == np.random.default_rng(4).integers(1 << 30)
     assert len(buf) == 0 and buf.num_strided() == [0, 0, 0]
     with pytest.raises(shmbuf.SegmentExistsError):
-        with shmbuf.create({"x": ((), np.float32)}, 16) as store:
+        with shmbuf.create({"x": ((), np.float32)}, 16, done_key=None) as store:
             HistoryBuffer(1, 1, name=store.name)
 
 

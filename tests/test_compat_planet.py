@@ -533,7 +533,7 @@ def test_lifecycle_close_attach_and_context_manager(memories):
             call()
     with pytest.raises(shmbuf.SegmentNotFoundError):
         Memory.attach(name)
-    plain = shmbuf.create({"obs": ((2,), np.float32)}, 64)
+    plain = shmbuf.create({"obs": ((2,), np.float32)}, 64, done_key=None)
     try:
         with pytest.raises(shmbuf.CorruptSegmentError, match="Memory"):
             Memory.attach(plain.name)

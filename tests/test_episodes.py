@@ -280,3 +280,45 @@ def test_count_episodes_bad_arguments_name_themselves(make_buffer, kwargs, error
     buf = make_buffer(SPEC, 100)
     with pytest.raises(error, match=match):
         buf.count_episodes(**kwargs)
+
+
+def test_done_key_must_name_a_column_and_only_none_means_no_episodes(make_buffer):
+    # A terminal flag under another name used to be ignored: no episode ever ended.
+    spec = {"x": ((), np.int64), "terminal": ((), np.bool_)}
+    for done_key in ({}, {"done_key": "done"}, {"done_key": "term"}):
+        with pytest.raises(ValueError) as err:
+            shmbuf.create(spec, 64, **done_key)
+        msg = str(err.value)
+        assert f"done_key {done_key.get('done_key', 'done')!r} is not a column" in msg
+        assert "['terminal', 'x']" in msg and "done_key=None" in msg
+    named = make_buffer(spec, 64, done_key="terminal")
+    plain = make_buffer(spec, 64, done_key=None)
+    for buf in (named, plain):
+        with buf.writer() as w:
+            w.extend(x=np.arange(8), terminal=np.arange(8) % 4 == 3)
+    assert named.done_key == "terminal" and named.episodes().length.tolist() == [4, 4]
+    windows = named.sample_sequences(64, 2, rng=0)["x"]
+    assert not ((windows[0] % 4 == 3) & (windows[1] % 4 == 0)).any()   # never across an end
+    assert plain.done_key is None and len(plain.episodes()) == 0
+
+
+@pytest.mark.parametrize("uniform", ["steps", "episodes"])
+def test_no_window_is_drawn_from_an_episode_shorter_than_it(make_buffer, uniform):
+    # Episodes of 1..6 steps, ended by a terminal or cut, in two streams.
+    spec = {"ep": ((), np.int64), "eplen": ((), np.int64), "done": ((), np.bool_)}
+    buf = make_buffer(spec, 512, chunk_size=5)
+    rng = np.random.default_rng(3)
+    writers = [buf.writer(), buf.writer()]
+    for ep in range(60):
+        n, w = int(rng.integers(1, 7)), writers[ep % 2]
+        terminal = bool(rng.integers(2))
+        for t in range(n):
+            w.add(ep=ep, eplen=n, done=terminal and t == n - 1)
+        if not terminal:
+            w.end_episode()
+    for length in (1, 2, 4, 6):
+        batch = buf.sample_sequences(300, length, uniform=uniform, rng=length)
+        assert (batch["ep"] == batch["ep"][0]).all()          # one episode per window
+        assert (batch["eplen"] >= length).all()               # never a shorter one
+    for w in writers:
+        w.close()

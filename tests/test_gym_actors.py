@@ -80,7 +80,7 @@ def test_attach_by_name_and_pickle_never_unlink(block):
     again = ParamBlock.attach(block.name)
     assert again.version() == 1
     again.close()
-    with shmbuf.create({"x": ((), np.int8)}, 16) as buf:
+    with shmbuf.create({"x": ((), np.int8)}, 16, done_key=None) as buf:
         with pytest.raises(shmbuf.CorruptSegmentError):
             ParamBlock.attach(buf.name)
     with pytest.raises(shmbuf.WaitTimeoutError, match="version 1"):

@@ -466,7 +466,7 @@ def test_each_class_refuses_the_others_save_naming_who_made_it(tmp_path, make_bu
     with HistoryBuffer(2, 3, spec=SPEC) as buf:
         buf.append(history_info([0, 1], 1))
         buf.save(tmp_path / "history")
-    make_buffer({"x": ((), np.float32)}, 16).save(tmp_path / "store")
+    make_buffer({"x": ((), np.float32)}, 16, done_key=None).save(tmp_path / "store")
     rb = shmbuf.ReplayBuffer(16, (3, 8, 8), 6, seq_len=2, batch_size=2)
     try:
         rb.add({"image": np.zeros((3, 8, 8), np.uint8)}, np.zeros(6), 0.0, False)

@@ -334,7 +334,7 @@ def test_pickle_sends_the_name(rings):
 
 
 def test_attach_refuses_a_step_store_and_the_store_refuses_rings(rings):
-    with shmbuf.create({"x": ((), np.float32)}, 16) as store:
+    with shmbuf.create({"x": ((), np.float32)}, 16, done_key=None) as store:
         with pytest.raises(shmbuf.CorruptSegmentError, match="step store"):
             keyed.attach(store.name)
     with pytest.raises(shmbuf.CorruptSegmentError, match="keyed rings"):

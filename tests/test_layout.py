@@ -188,6 +188,11 @@ def plans(draw, max_capacity=10**6):
     return spec, capacity, chunk_size, max_writers
 
 
+def done_of(spec):
+    """The done_key a spec needs: "done" if it has that column, else an explicit None."""
+    return "done" if "done" in spec else None
+
+
 def check_layout(lay, spec, capacity, chunk_size, max_writers):
     """Every rule plan() promises, from the spec alone."""
     k = L.default_chunk_size(capacity) if chunk_size is None else chunk_size
@@ -221,7 +226,8 @@ def check_layout(lay, spec, capacity, chunk_size, max_writers):
 @given(plans())
 def test_plan_properties(case):
     spec, capacity, chunk_size, max_writers = case
-    lay = L.plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers)
+    lay = L.plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
+                 done_key=done_of(spec))
     check_layout(lay, spec, capacity, chunk_size, max_writers)
 
 
@@ -247,7 +253,9 @@ def test_done_key_rules():
     assert L.plan(SPEC, 10, done_key=None).done_column == -1
     assert L.plan(SPEC, 10, done_key="reward").done_column == 2
     no_done = {k: v for k, v in SPEC.items() if k != "done"}
-    assert L.plan(no_done, 10).done_column == -1  # the default names an optional column
+    assert L.plan(no_done, 10, done_key=None).done_column == -1
+    with pytest.raises(ValueError, match=r"done_key 'done' is not a column .*done_key=None"):
+        L.plan(no_done, 10)   # the default names a column too: only None means none
 
 
 # -- encode_header -> decode_header ------------------------------------------------
@@ -256,7 +264,8 @@ def test_done_key_rules():
 @given(plans(), st.integers(0, 2**32), st.integers(0, 2**40), st.integers(0, U64))
 def test_header_round_trip(case, pid, start, created):
     spec, capacity, chunk_size, max_writers = case
-    lay = L.plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers)
+    lay = L.plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
+                 done_key=done_of(spec))
     header = L.encode_header(lay, pid, start, created)
     assert len(header) == lay.slots_offset
     got, owner = L.decode_header(header, lay.total_bytes, "seg")
@@ -278,7 +287,7 @@ SMALL = {"obs": ((3, 8, 8), np.uint8), "reward": ((), np.float32), "done": ((), 
 
 def _segment_bytes(spec=SMALL, capacity=64, **kw):
     """A whole (small) segment image with a valid header, and its layout."""
-    lay = L.plan(spec, capacity, **kw)
+    lay = L.plan(spec, capacity, **{"done_key": done_of(spec), **kw})
     buf = bytearray(lay.total_bytes)
     header = L.encode_header(lay, 1234, 5678, 9)
     buf[:len(header)] = header
@@ -576,7 +585,7 @@ def _image(params):
     if with_done:
         spec = {**spec, "done": ((), np.dtype(bool))}
     lay = L.plan(spec, capacity, chunk_size=min(chunk_size, capacity),
-                 max_writers=max_writers)
+                 max_writers=max_writers, done_key=done_of(spec))
     buf = bytearray(lay.total_bytes)
     header = L.encode_header(lay, 77, 88, 99)
     buf[:len(header)] = header
@@ -743,12 +752,12 @@ def test_create_rejects_bad_name_and_leaves_nothing(name, exc):
 
 
 def test_boundary_arguments_are_accepted():
-    L.plan({"a" * 63: ((), np.uint8)}, 1)
+    L.plan({"a" * 63: ((), np.uint8)}, 1, done_key=None)
     L.plan(_many_columns(L.MAX_COLUMNS - len(L.INTERNAL_COLUMNS)), 2**40, chunk_size=2**40,
-           max_writers=L.NO_SLOT - 1)
-    L.plan({"obs": ((1,) * L.MAX_NDIM, np.uint8)}, 1, chunk_size=1)
-    L.plan({"obs": (np.array([3, 4]), np.uint8)}, 5)  # any int sequence is a shape
-    L.plan({"obs": (7, np.uint8)}, 5)                  # a bare int is a 1-d shape
+           max_writers=L.NO_SLOT - 1, done_key=None)
+    L.plan({"obs": ((1,) * L.MAX_NDIM, np.uint8)}, 1, chunk_size=1, done_key=None)
+    L.plan({"obs": (np.array([3, 4]), np.uint8)}, 5, done_key=None)  # any int sequence
+    L.plan({"obs": (7, np.uint8)}, 5, done_key=None)                  # a bare int: 1-d
 
 
 # -- one owner for the protocol ---------------------------------------------------
@@ -782,7 +791,7 @@ def test_c_reads_the_chunk_fields_that_layout_defines():
     from shmbuf import _windows
     from shmbuf._ring import Ring
 
-    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10)
+    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
     geometry = Ring(memoryview(mm), lay).geometry
     assert geometry[5] == L.CHUNK_ENTRY
@@ -796,7 +805,7 @@ def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
     from shmbuf import _windows
     from shmbuf._ring import Ring
 
-    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10)
+    lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
     good = Ring(memoryview(mm), lay).geometry
     ok = np.zeros(1, np.bool_)

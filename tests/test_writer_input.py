@@ -362,7 +362,7 @@ def test_sample_steps_rejects_bad_arguments(buf, case, kwargs, exc, text):
 def test_sample_steps_rejects_list_out_like_sample_sequences(make_buffer):
     """A list in out= must be refused, not filled through a temporary copy and dropped."""
     spec = {"x": ((2,), np.float64), "reward": ((), np.float64)}
-    b = make_buffer(spec, CAPACITY, chunk_size=4)
+    b = make_buffer(spec, CAPACITY, chunk_size=4, done_key=None)
     with b.writer() as w:
         for i in range(5):
             w.add(x=[i, i], reward=float(i))
@@ -437,7 +437,7 @@ def test_wait_ready_rejects_bad_arguments(buf, case, kwargs, exc, text):
     (np.array(["hello world"]), "<U5", (1,), "'hello world' does not fit in <U5"),
 ])
 def test_a_lossy_cast_names_the_value_that_does_not_fit(make_buffer, value, dtype, shape, says):
-    buf = make_buffer({"x": (shape, dtype)}, 10)
+    buf = make_buffer({"x": (shape, dtype)}, 10, done_key=None)
     with buf.writer() as w:
         with pytest.raises(TypeError) as err:
             w.add(x=value)
@@ -447,7 +447,7 @@ def test_a_lossy_cast_names_the_value_that_does_not_fit(make_buffer, value, dtyp
 
 
 def test_values_that_fit_are_accepted_whatever_their_dtype(make_buffer):
-    buf = make_buffer({"x": ((3,), np.uint8), "f": ((), np.float32)}, 10)
+    buf = make_buffer({"x": ((3,), np.uint8), "f": ((), np.float32)}, 10, done_key=None)
     with buf.writer() as w:
         w.add(x=np.array([0, 7, 255], np.int64), f=np.float64(0.25))
     assert buf.arrays["x"][0].tolist() == [0, 7, 255]

@@ -10,6 +10,7 @@ import uuid
 
 import ray
 
+from shmbuf._layout import plan
 from shmbuf.ray._buffer import ShardedBuffer
 from shmbuf.ray._errors import ShardedBufferNotFoundError, is_loss
 from shmbuf.ray._placement import (DEFAULT_NAMESPACE, alive_nodes, check_name, make_entry,
@@ -18,6 +19,7 @@ from shmbuf.ray._placement import (DEFAULT_NAMESPACE, alive_nodes, check_name, m
 log = logging.getLogger("shmbuf.ray")
 _OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault",
             "remote_idle_s", "rate_limit")
+_PLANNED = ("chunk_size", "max_writers", "done_key", "episode_slots")   # _layout.plan's
 
 
 def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
@@ -53,7 +55,9 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
             than its share holds the global batch back.
 
     Raises:
-        ValueError: a bad name or option; a shard named like this exists.
+        ValueError / TypeError: a bad name or option, or a spec that shmbuf.create
+            refuses (a done_key that is not a column, say), before any shard starts;
+            a shard named like this exists.
         ray.exceptions.GetTimeoutError: a shard did not start in time (the
             others were closed).
 
@@ -64,6 +68,9 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
     unknown = sorted(set(buffer_options) - set(_OPTIONS))
     if unknown:
         raise ValueError(f"unknown options {unknown}; shmbuf.ray.create takes {_OPTIONS}")
+    # Each shard runs shmbuf.create: refuse what it would refuse (a done_key that is not a
+    # column, say) here, before any actor starts.
+    plan(spec, capacity_per_shard, **{k: v for k, v in buffer_options.items() if k in _PLANNED})
     if not ray.is_initialized():
         raise RuntimeError("shmbuf.ray.create needs a Ray connection: call ray.init(...) first")
     name = check_name(name or f"rb-{uuid.uuid4().hex[:12]}")
