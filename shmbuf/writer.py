@@ -54,8 +54,8 @@ class Writer:
         self._done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
         self._done_index = lay.done_column
         # A float done column holds flags only (_cast.check_flags); others need no check.
-        self._done_dtype = lay.columns[lay.done_column].dtype if self._done is not None else None
-        self._float_done = self._done_dtype is not None and self._done_dtype.kind in "fc"
+        self._done_dtype = lay.columns[lay.done_column].dtype
+        self._float_done = self._done is not None and self._done_dtype.kind in "fc"
         self._bind()
 
     def _bind(self) -> None:
