@@ -107,8 +107,9 @@ def open_episodes(ring: Ring, finder: WindowFinder, views: dict, names: list[str
     recent = ring.read_episodes(np.arange(max(0, hi - ring.layout.episode_slots), hi))
     ended = set(zip(recent.stream.tolist(), recent.ep.tolist()))
     by_stream: dict[int, list[int]] = {}
-    for i, sid in enumerate(live.stream.tolist()):
-        by_stream.setdefault(sid, []).append(i)
+    for i, (sid, count) in enumerate(zip(live.stream.tolist(), live.count.tolist())):
+        if count:   # a chunk its stream has just claimed holds no row yet
+            by_stream.setdefault(sid, []).append(i)
     order = sorted(by_stream, key=lambda s: by_stream[s][-1])
     ep_col = views[EP_COLUMN]
     for sid in order:
