@@ -359,6 +359,7 @@ class Reservation:
     """
 
     _shm = None
+    _owner_removed = False   # the owner itself removed the name: no check at publish
 
     def __init__(self, name: str):
         validate_name(name)
@@ -401,8 +402,13 @@ class Reservation:
         inode = os.fstat(fd).st_ino
         self.close()
         seg = Segment._wrap(self.name, mm, size, owner=True, fd=fd)
-        seg.inode = inode
+        seg.inode = None if self._owner_removed else inode
         return seg
+
+    def removed_by_owner(self) -> None:
+        """The owner unlinked the name on purpose: ``publish`` must not take it for a removal
+        by someone else (the owner keeps using what it unlinked)."""
+        self._owner_removed = True
 
     def close(self) -> None:
         """Close the descriptor (idempotent); the name stays until ``unlink``."""

@@ -380,15 +380,14 @@ class HistoryBuffer(Shared):
         return None if self._rings is None else self._rings._closed_mark()
 
     def unlink(self) -> None:
-        """Remove the segment's name now (the owner); a no-op before the first append.
+        """Remove the segment's name now (the owner), before the first append too.
 
-        Until then the name is only reserved and there is no segment to remove:
-        the reservation stays, so the first append still creates the buffer
-        under its name (``close()`` gives the name back).
+        The owner goes on using the buffer, as after any unlink: the first
+        append still sizes the reserved segment (which nobody else can reach).
         """
-        if self._rings is None and self.owner:
-            return
         super().unlink()
+        if self._rings is None and self.owner and self._reservation is not None:
+            self._reservation.removed_by_owner()
 
     def _release(self) -> None:
         _signals.forget(self)
