@@ -16,6 +16,11 @@ setup(
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
+            "shmbuf._prio",
+            sources=["shmbuf/_prio.c"],
+            extra_compile_args=["-std=c11", "-O2"],
+        ),
+        Extension(
             "shmbuf._exitsig",
             sources=["shmbuf/_exitsig.c"],
             extra_compile_args=["-std=c11", "-O2"],

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._layout import EP_COLUMN
+from ._layout import EP_COLUMN, PRIORITY_COLUMN
 from ._ring import Ring
 
 FORMAT = "shmbuf-steps-v1"
@@ -52,7 +52,10 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
 
     def copy(base: int, count: int) -> None:
         for name in names:
-            out[name][at:at + count] = views[name][base:base + count]
+            if name == PRIORITY_COLUMN:   # the value set in this claim, NaN if none
+                out[name][at:at + count] = ring.priorities.saved(base, count)
+            else:
+                out[name][at:at + count] = views[name][base:base + count]
 
     ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
     for i, sid in copy_chunks(ring, live, copy, ids):
@@ -128,17 +131,33 @@ def episode_ends(ring: Ring, original: np.ndarray, episode: np.ndarray) -> np.nd
     return ends
 
 
+def _names(ring: Ring) -> list[str]:
+    """What a checkpoint copies per row: the user columns, _ep, and the priorities if kept."""
+    names = [c.name for c in ring.layout.user_columns] + [EP_COLUMN]
+    return names + [PRIORITY_COLUMN] if ring.priorities is not None else names
+
+
+def _with_priorities(ring: Ring, state: dict, saved) -> dict:
+    """``state`` plus "priorities" ((n,) float32, NaN: never set) and "max_priority"."""
+    if ring.priorities is not None:
+        state["priorities"] = saved
+        state["max_priority"] = ring.priorities.largest_set()
+    return state
+
+
 def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
     """``{"format", "spec", "columns": {name: array}, "stream", "episode"}``, oldest first."""
     lay = ring.layout
-    names = [c.name for c in lay.user_columns] + [EP_COLUMN]
+    names = _names(ring)
 
     def empty(name, n):
+        if name == PRIORITY_COLUMN:
+            return np.empty(n, np.float32)
         col = lay.column(name)
         return np.empty((n,) + col.shape, col.dtype)
 
     out, stream, original, starts, n = copy_live(ring, views, names, empty)
-    return {
+    return _with_priorities(ring, {
         "format": FORMAT,
         "spec": {c.name: (list(c.shape), c.dtype.str) for c in lay.user_columns},
         "columns": {c.name: out[c.name][:n] for c in lay.user_columns},
@@ -146,7 +165,7 @@ def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         "episode": out[EP_COLUMN][:n],
         "ends": episode_ends(ring, original[:n], out[EP_COLUMN][:n]),
         "chunks": starts,
-    }
+    }, out.get(PRIORITY_COLUMN, np.empty(0, np.float32))[:n])
 
 
 # -- torch ------------------------------------------------------------------------------
@@ -165,11 +184,14 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
     import torch
 
     lay = ring.layout
-    names = [c.name for c in lay.user_columns] + [EP_COLUMN]
+    names = _names(ring)
     tensors: dict[str, Any] = {}
     raw: list[str] = []
 
     def empty(name, n):
+        if name == PRIORITY_COLUMN:
+            tensors[name] = torch.empty(n, dtype=torch.float32)
+            return _raw_view(tensors[name], np.dtype(np.float32), (n,))
         col = lay.column(name)
         tdtype = _torch_dtype(col.dtype)
         if tdtype is None:
@@ -184,7 +206,7 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
     del out   # views without a reference count on the storage: drop them before _shrink
     for name, t in tensors.items():
         tensors[name] = _shrink(t, n)
-    return {
+    return _with_priorities(ring, {
         "format": FORMAT,
         "spec": {c.name: [list(c.shape), c.dtype.str] for c in lay.user_columns},
         "raw_bytes": raw,
@@ -193,7 +215,7 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         "episode": tensors[EP_COLUMN],
         "ends": torch.from_numpy(ends),
         "chunks": torch.from_numpy(starts),
-    }
+    }, tensors.get(PRIORITY_COLUMN))
 
 
 def _raw_view(t, dtype: np.dtype, shape: tuple) -> np.ndarray:
@@ -237,11 +259,13 @@ def from_state_dict(state: dict[str, Any]) -> dict[str, Any]:
     out = {"format": FORMAT, "spec": spec, "columns": columns,
            "stream": _numpy(state["stream"], "state['stream']"),
            "episode": _numpy(state["episode"], "state['episode']")}
-    for key in ("ends", "chunks"):
+    for key in ("ends", "chunks", "priorities"):
         if key in state:
             out[key] = _numpy(state[key], f"state[{key!r}]")
     if "rate" in state:   # the rate limiter's counters: plain values
         out["rate"] = state["rate"]
+    if "max_priority" in state:
+        out["max_priority"] = state["max_priority"]
     return out
 
 
@@ -275,6 +299,17 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
                              f"dtype {dtype}, got {arr.shape} and {arr.dtype}")
     if len(state["episode"]) != n:
         raise ValueError(f"state['episode'] has {len(state['episode'])} rows, expected {n}")
+    if "priorities" in state:
+        pri = np.asarray(state["priorities"])
+        if pri.shape != (n,) or pri.dtype != np.float32:
+            raise ValueError(f"state['priorities']: expected shape {(n,)} and dtype float32, "
+                             f"got {pri.shape} and {pri.dtype}")
+        bad = ~np.isnan(pri) & ~(np.isfinite(pri) & (pri >= 0))
+        top = state.get("max_priority")
+        if bad.any() or not (top is None or isinstance(top, float) and np.isfinite(top)
+                             and top >= 0):
+            raise ValueError("state['priorities'] and state['max_priority'] must be finite and "
+                             ">= 0 (NaN: never set)")
 
 
 def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
@@ -304,6 +339,8 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
         for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
             replay.schedule(int(stream[a]), a, b)
         replay.drain(force=True)
+        if ring.priorities is not None and "priorities" in state:
+            _restore_priorities(ring, replay, stream, state)
     finally:
         replay.close()
 
@@ -324,6 +361,26 @@ def newest_rows(state: dict[str, Any], stream: np.ndarray, ends: np.ndarray,
     state = dict(state, stream=stream[cut:], episode=np.asarray(state["episode"])[cut:],
                  columns={k: np.asarray(v)[cut:] for k, v in state["columns"].items()})
     return state, stream[cut:], ends[cut:], kept
+
+
+def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state: dict) -> None:
+    """Give the replayed steps the checkpoint's priorities (set ones; NaN stays default).
+
+    Each checkpoint stream went through a writer of its own, so that writer's
+    stream holds, oldest chunk first, the newest of that stream's rows (all
+    of them unless the capacity is smaller).
+    """
+    if state.get("max_priority") is not None:
+        ring.priorities.raise_largest(float(state["max_priority"]))
+    saved = np.asarray(state["priorities"])
+    live = ring.live_chunks()
+    for sid, w in replay.writers.items():
+        mine = live.stream == w.stream_id()
+        rows = np.concatenate([np.arange(b, b + c, dtype=np.int64) for b, c in
+                               zip(live.base[mine], live.count[mine])] or [np.empty(0, np.int64)])
+        theirs = np.flatnonzero(stream == sid)
+        if len(rows):
+            ring.priorities.restore(rows, np.ascontiguousarray(saved[theirs[-len(rows):]]))
 
 
 class _Replay:

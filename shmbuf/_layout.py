@@ -36,6 +36,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
   832  closed         Q    atomic: 0 while open; reason << 32 | pid of who closed it (CLOSED_BY)
   896  sampled_rows   Q    atomic: rows (steps) returned by sample calls
+  960  max_priority   Q    atomic: 1 << 32 | float32 bits of the largest priority ever set; 0: none yet
  1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
  2048  column table   n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
@@ -44,6 +45,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    ..  columns        capacity x row_bytes each, each starting on a page boundary; the
                       user's, then the internal _ep (a row's episode number in its
                       stream) and _t (its clock number: the publish order, buffer-wide)
+   ..  priority trees with priorities=True only, see PRIORITY_REGIONS
 
 Every atomic counter, slot, chunk and episode entry owns a 64-byte cache
 line, so that writers touching different entries never share a line.  The
@@ -84,6 +86,37 @@ T_COLUMN = "_t"
 # Columns of every step store after the user's, in this order: written by the
 # protocol (_ring), never by users.
 INTERNAL_COLUMNS = (EP_COLUMN, T_COLUMN)
+PRIORITY_COLUMN = "_p"
+
+# Priorities (create(..., priorities=True)).  The internal column "_p" holds
+# one word per row: tag << 32 | float32 bits, where tag names the claim of the
+# row's chunk (TAG of the chunk's ticket); a word whose tag is not the chunk's
+# current one was never set for this step, which then has the largest priority
+# ever set (max_priority), or 1.0 before any.  Writers never write it.
+# After the columns, page-aligned, come PRIORITY_REGIONS:
+#   blocks  2 words per block of PRIORITY_BLOCK rows of a chunk (a chunk has
+#           ceil(chunk_size / block) of them): tag << 32 | rows set since the
+#           claim, and tag << 32 | float32 bits of the largest value set since
+#           the claim
+#   prev    2 words per chunk: its stream's previous chunk + 1 (0: none) and
+#           that chunk's seq, stored by the writer before it links the chunk
+#   trees   one 16-ary tree over the blocks per exponent of TREE_EXPONENTS,
+#           leaves first, one word per node: count << 40 | version << 32 |
+#           float32 bits.  A leaf is count 1 (the block holds a step never set:
+#           its bound is the largest priority) or count 0 and max ** exponent;
+#           a node holds the sum of its children's counts and values.  A draw
+#           with exponent e uses the tree of the largest exponent <= e.
+#           _prio.c keeps them.
+PRIORITY_BLOCK = 128
+PRIORITY_FANOUT = 16
+PRIORITY_MAX_BLOCKS = (1 << 24) - 1
+TREE_EXPONENTS = (0.5, 0.8, 1.0)
+PRIORITY_REGIONS = ("blocks", "prev", "trees")
+
+
+def tag_of(ticket: int) -> int:
+    """The 32-bit tag of a chunk claim: bit 31 set, so a zero word has no tag."""
+    return (ticket & 0x7FFFFFFF) | 0x80000000
 
 # (offset, struct format) of each fixed header field; the table above in code.
 HEADER_FIELDS = {
@@ -108,7 +141,7 @@ HEADER_FIELDS = {
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "clock": 320, "samples": 384,
             "replayed": 448, "serial": 512, "rate": 576,
             "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
-            "sampled_rows": 896}
+            "sampled_rows": 896, "max_priority": 960}
 # The rate limiter's line (at COUNTERS["rate"]): flags (RATE_ON, RATE_BLOCK_WRITERS,
 # RATE_AUTO_TOLERANCE), train_ratio and writer_timeout as IEEE double bits (timeout:
 # all ones for None), min_steps, tolerance as double bits (auto: train_ratio, then
@@ -202,6 +235,18 @@ class Layout:
     total_bytes: int
     episode_slots: int = 0
     episodes_offset: int = 0
+    priority_block: int = 0               # rows per block; 0: no priorities
+    priority_blocks_offset: int = 0
+    priority_prev_offset: int = 0
+    priority_trees: tuple = ()            # (exponent, ((offset, nodes) per level)) per tree
+
+    @property
+    def priorities(self) -> bool:
+        return self.priority_block > 0
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return -(-self.chunk_size // self.priority_block) if self.priority_block else 0
 
     def column(self, name: str) -> Column:
         for col in self.columns:
@@ -211,7 +256,8 @@ class Layout:
 
     @property
     def user_columns(self) -> tuple[Column, ...]:
-        return tuple(c for c in self.columns if c.name not in INTERNAL_COLUMNS)
+        return tuple(c for c in self.columns if c.name not in INTERNAL_COLUMNS
+                     and c.name != PRIORITY_COLUMN)
 
     def chunk_field(self, chunk: int, field: str) -> int:
         return self.chunks_offset + chunk * CHUNK_ENTRY + CHUNK_FIELDS[field]
@@ -298,8 +344,40 @@ def default_episode_slots(capacity: int) -> int:
     return min(capacity, MAX_DEFAULT_EPISODE_SLOTS, max(1024, capacity // 8))
 
 
+def priority_block(chunk_size: int, n_chunks: int) -> int:
+    """Rows per priority block: PRIORITY_BLOCK, doubled until the blocks fit a tree count."""
+    block = min(PRIORITY_BLOCK, chunk_size)
+    while n_chunks * -(-chunk_size // block) > PRIORITY_MAX_BLOCKS:
+        if block >= chunk_size:
+            raise ValueError(f"priorities=True: {n_chunks} chunks are more than the "
+                             f"{PRIORITY_MAX_BLOCKS} a priority tree indexes; use a larger "
+                             "chunk_size")
+        block = min(2 * block, chunk_size)
+    return block
+
+
+def _priority_regions(cursor: int, chunk_size: int, n_chunks: int):
+    """(block rows, blocks offset, prev offset, trees, end) from ``cursor`` on; trees:
+    per exponent of TREE_EXPONENTS, ``(exponent, ((offset, nodes) per level, leaves first))``."""
+    block = priority_block(chunk_size, n_chunks)
+    n_blocks = n_chunks * -(-chunk_size // block)
+    blocks_at = cursor
+    prev_at = blocks_at + 16 * n_blocks
+    at, trees = _align(prev_at + 16 * n_chunks, LINE), []
+    for exponent in TREE_EXPONENTS:
+        n, levels = n_blocks, []
+        while True:
+            levels.append((at, n))
+            at = _align(at + 8 * n, LINE)
+            if n == 1:
+                break
+            n = -(-n // PRIORITY_FANOUT)
+        trees.append((exponent, tuple(levels)))
+    return block, blocks_at, prev_at, tuple(trees), _align(at, PAGE)
+
+
 def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
-         done_key="done", episode_slots=None) -> Layout:
+         done_key="done", episode_slots=None, priorities=False) -> Layout:
     """Lay out a segment for ``spec``; raises on any bad argument."""
     columns_in = normalize_spec(spec)
     capacity = check_int("capacity", capacity, 1, 1 << 40)
@@ -323,12 +401,15 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         episode_slots = default_episode_slots(capacity)
     episode_slots = check_int("episode_slots", episode_slots, 1, 1 << 32)
     n_chunks = math.ceil(capacity / chunk_size)
-    slots_offset = COLUMN_TABLE + (len(columns_in) + len(INTERNAL_COLUMNS)) * COLUMN_ENTRY
+    slots_offset = COLUMN_TABLE + (len(columns_in) + len(INTERNAL_COLUMNS) + bool(priorities)) \
+        * COLUMN_ENTRY
     chunks_offset = slots_offset + max_writers * SLOT_ENTRY
     episodes_offset = chunks_offset + n_chunks * CHUNK_ENTRY
     cursor = _align(episodes_offset + episode_slots * EPISODE_ENTRY, PAGE)
     columns = []
-    entries = list(columns_in.items()) + [(c, ((), np.dtype("<i8"))) for c in INTERNAL_COLUMNS]
+    internal = [(PRIORITY_COLUMN, ((), np.dtype("<u8")))] if priorities else []
+    entries = list(columns_in.items()) + internal + [(c, ((), np.dtype("<i8")))
+                                                     for c in INTERNAL_COLUMNS]
     for name, (shape, dtype) in entries:
         row_bytes = math.prod(shape) * dtype.itemsize
         if row_bytes * capacity > MAX_COLUMN_BYTES:
@@ -338,8 +419,11 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         columns.append(Column(name, dtype, shape, cursor, row_bytes))
         cursor = _align(cursor + row_bytes * capacity, PAGE)
     done = [c.name for c in columns].index(done_key) if done_key is not None else -1
+    prio: tuple = (0, 0, 0, ())
+    if priorities:
+        *prio, cursor = _priority_regions(cursor, chunk_size, n_chunks)  # type: ignore[assignment]
     return Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
-                  slots_offset, chunks_offset, cursor, episode_slots, episodes_offset)
+                  slots_offset, chunks_offset, cursor, episode_slots, episodes_offset, *prio)
 
 
 def encode_meta(meta) -> bytes:
@@ -429,17 +513,23 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     if internal != list(INTERNAL_COLUMNS) or any(
             spec[c][:2] != ((), np.dtype("<i8")) for c in INTERNAL_COLUMNS):
         raise bad(f"the internal columns {INTERNAL_COLUMNS} are missing or malformed")
-    user = {k: v[:2] for k, v in spec.items() if k not in INTERNAL_COLUMNS}
+    priorities = PRIORITY_COLUMN in spec
+    if priorities and (list(spec).index(PRIORITY_COLUMN) != len(spec) - len(INTERNAL_COLUMNS) - 1
+                       or spec[PRIORITY_COLUMN][:2] != ((), np.dtype("<u8"))):
+        raise bad("the internal priority column is misplaced or malformed")
+    user = {k: v[:2] for k, v in spec.items()
+            if k not in INTERNAL_COLUMNS and k != PRIORITY_COLUMN}
     done = head["done_column"]
     if len(spec) != n_columns:
         raise bad("its column table repeats a column name")
-    done_key = list(spec)[done] if 0 <= done < n_columns - len(INTERNAL_COLUMNS) else None
+    done_key = (list(spec)[done] if 0 <= done < n_columns - len(INTERNAL_COLUMNS) - priorities
+                else None)
     if done != -1 and done_key is None:
         raise bad(f"done column index {done} is out of range")
     try:
         layout = plan(user, head["capacity"], chunk_size=head["chunk_size"],
                       max_writers=head["max_writers"], done_key=done_key,
-                      episode_slots=head["episode_slots"])
+                      episode_slots=head["episode_slots"], priorities=priorities)
     except (TypeError, ValueError) as exc:
         raise bad(f"its schema or sizes are invalid ({exc})") from None
     stored = [(c.offset, c.row_bytes) for c in layout.columns]

@@ -43,7 +43,10 @@ class _Target:
         self.tensor[index] = torch.from_numpy(values).to(self.tensor.device)
 
 
-def prepare_out(out, spec, lead):
+def prepare_out(out, spec, lead, ids: bool = False):
+    """A ``_Target`` per column of a batch with leading dims ``lead`` (and ``"ids"``, int64)."""
+    if ids:
+        spec = dict(spec, ids=((), np.dtype(np.int64)))
     if out is not None and (not isinstance(out, dict) or out.keys() != spec.keys()):
         raise ValueError(f"out must be a dict with exactly the keys {sorted(spec)}, "
                          f"got {sorted(out) if isinstance(out, dict) else type(out).__name__}")

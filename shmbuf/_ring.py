@@ -32,12 +32,13 @@ import struct
 import numpy as np
 
 from . import _atomic as atomic
+from . import _prio
 from ._errors import BufferClosedError, NoFreeChunkError, NoFreeWriterSlotError, SharedMemoryFullError
 from ._layout import (CHUNK_ENTRY, CHUNK_FIELDS, CLOSED_BY, COUNTERS, EP_COLUMN, EPISODE_ENTRY,
-                      EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, NO_TIMEOUT, RATE_FIELDS,
-                      SEALED, SLOT_ENTRY,
-                      SLOT_FIELDS, STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout,
-                      pack_chunk_state, read_field, unpack_chunk_state, T_COLUMN)
+                      EPISODE_FIELDS, LAYOUT_VERSION, MAGIC, NO_SLOT, NO_TIMEOUT,
+                      PRIORITY_COLUMN, RATE_FIELDS, SEALED, SLOT_ENTRY, SLOT_FIELDS,
+                      STARTS_BITS, STARTS_UNTRACKED, TERMINAL, Layout, pack_chunk_state,
+                      read_field, tag_of, unpack_chunk_state, T_COLUMN)
 from ._procs import is_alive, my_start_time
 from ._space import Space
 
@@ -380,6 +381,7 @@ class Ring:
                          CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["starts"], STARTS_BITS)
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
+        self.priorities = Priorities(self) if layout.priorities else None
 
     # -- reserving pages before a ticket makes them readable (see _space) -----------
     def _take(self, name: str, prepare) -> int:
@@ -595,6 +597,9 @@ class Ring:
             atomic.store_release(self.mm, self.layout.chunk_field(chunk, field), value)
         even = (odd + 1) & _U32
         atomic.store_release(self.mm, off, pack_chunk_state(even, slot == NO_SLOT, slot, lease))
+        if self.priorities is not None:
+            # Before the claimant writes a row: the claim starts with nothing set.
+            self.priorities.reset(chunk, ticket)
         return even
 
     def _evict(self, chunk: int) -> None:
@@ -606,8 +611,14 @@ class Ring:
         if old:
             self.bump("evicted", old)
 
-    def link(self, chunk: int, successor: int, successor_seq: int) -> None:
-        """Publish ``successor`` as the continuation of ``chunk``'s stream."""
+    def link(self, chunk: int, successor: int, successor_seq: int, chunk_seq: int) -> None:
+        """Publish ``successor`` as the continuation of ``chunk`` (whose seq is ``chunk_seq``).
+
+        With priorities the successor's back link is stored first, so a
+        sampler that reaches it by ``next`` can also walk back.
+        """
+        if self.priorities is not None:
+            self.priorities.link_back(successor, chunk, chunk_seq)
         atomic.store_release(self.mm, self.layout.chunk_field(chunk, "next_seq"), successor_seq)
         atomic.store_release(self.mm, self.layout.chunk_field(chunk, "next"), successor + 1)
 
@@ -790,6 +801,156 @@ class Ring:
                         body[:, _E_OFFSET]).take(ok)
 
 
+class Priorities:
+    """The shared priorities of a step store (``create(..., priorities=True)``): every
+    load and store of their words, through ``_prio.c``.
+
+    Ids: step ``offset`` of the chunk claimed with ticket ``t`` is ``t *
+    chunk_size + offset``.  Tickets only grow, so an id never names another
+    step; it is stale once its chunk's ticket changed (or the chunk is being
+    recycled).  docs/design.md ("Priorities") has the protocol.
+    """
+
+    def __init__(self, ring: "Ring"):
+        lay = ring.layout
+        self.ring, self.mm, self.k = ring, ring.mm, lay.chunk_size
+        self.block = lay.priority_block
+        self._max_off = COUNTERS["max_priority"]
+        self._prev_off = lay.priority_prev_offset
+        # The geometry _prio.c works with, all from _layout.
+        self.geometry = (lay.chunks_offset, lay.n_chunks, lay.chunk_size, lay.capacity,
+                         CHUNK_ENTRY, CHUNK_FIELDS["state"], CHUNK_FIELDS["count"],
+                         CHUNK_FIELDS["next"], CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["ticket"],
+                         16, NO_SLOT, lay.column(PRIORITY_COLUMN).offset,
+                         lay.priority_blocks_offset, lay.priority_prev_offset, lay.priority_block,
+                         lay.blocks_per_chunk, lay.n_chunks * lay.blocks_per_chunk,
+                         self._max_off, lay.priority_trees)
+        self.exponents = tuple(e for e, _ in lay.priority_trees)
+
+    # -- writers (once per chunk) --------------------------------------------------
+    def reset(self, chunk: int, ticket: int) -> None:
+        _prio.reset(self.mm, self.geometry, chunk, ticket)
+
+    def link_back(self, successor: int, chunk: int, chunk_seq: int) -> None:
+        off = self._prev_off + 16 * successor
+        atomic.store_release(self.mm, off + 8, chunk_seq)
+        atomic.store_release(self.mm, off, chunk + 1)
+
+    # -- ids -------------------------------------------------------------------------
+    def ids(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of the steps at physical ``rows`` (the caller re-checks the seqs after)."""
+        chunk = rows // self.k
+        tickets = self.ring.chunk_table[chunk, _TICKET].view(np.int64)
+        atomic.fence_acquire()
+        return tickets * self.k + (rows - chunk * self.k)
+
+    def of_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Priorities (float32) of the steps ``ids`` names now; NaN where an id is stale."""
+        flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
+        k, table = self.k, self.ring.chunk_table
+        ticket, off = np.divmod(np.maximum(flat, 0), k)
+        chunk = ticket % self.ring.layout.n_chunks
+        state = table[chunk, _STATE].copy()
+        atomic.fence_acquire()
+        held = ((flat >= 0) & (off < self.ring.chunk_rows[chunk])
+                & (state >> np.uint64(32) & np.uint64(1) == 0)
+                & (table[chunk, _TICKET].view(np.int64) == ticket)
+                & (table[chunk, _COUNT].view(np.int64) > off))
+        value, _ = self.values(np.where(held, chunk * k + off, 0))
+        atomic.fence_acquire()
+        held &= table[chunk, _STATE] == state
+        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
+
+    # -- values ----------------------------------------------------------------------
+    def largest(self) -> float:
+        """The largest priority ever set, or 1.0 before any."""
+        top = self.largest_set()
+        return 1.0 if top is None else top
+
+    def largest_set(self) -> float | None:
+        """The largest priority ever set, or None before any."""
+        word = atomic.load_acquire(self.mm, self._max_off)
+        return float(np.uint32(word & _U32).view(np.float32)) if word >> 32 & 1 else None
+
+    def raise_largest(self, value: float) -> None:
+        """Make the largest-ever priority at least ``value`` (restoring a checkpoint)."""
+        want = 1 << 32 | int(np.float32(value).view(np.uint32))
+        while True:
+            old = atomic.load_acquire(self.mm, self._max_off)
+            if old >= want or atomic.compare_exchange(self.mm, self._max_off, old, want):
+                return
+
+    def update(self, ids: np.ndarray, values: np.ndarray) -> int:
+        """Set the priorities of the held steps among ``ids`` (int64) to ``values``
+        (float32, finite, >= 0); return how many were held."""
+        return _prio.update(self.mm, self.geometry, ids, values)
+
+    def values(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(priority float32, set-in-this-claim bool) of the steps at committed ``rows``."""
+        out = np.empty(len(rows), np.float32)
+        explicit = np.empty(len(rows), np.uint8)
+        _prio.values(self.mm, self.geometry, np.ascontiguousarray(rows, np.int64), out, explicit)
+        return out, explicit.astype(bool)
+
+    def saved(self, base: int, count: int) -> np.ndarray:
+        """Rows ``[base, base + count)`` of one chunk for a checkpoint: the priority set
+        in this claim, NaN where none was (float32)."""
+        value, explicit = self.values(np.arange(base, base + count, dtype=np.int64))
+        value[~explicit] = np.nan
+        return value
+
+    def restore(self, rows: np.ndarray, saved: np.ndarray) -> None:
+        """Set the steps at committed ``rows`` to ``saved`` (a checkpoint's; NaN: never set)."""
+        keep = ~np.isnan(saved)
+        self.update(np.ascontiguousarray(self.ids(rows[keep])),
+                    np.ascontiguousarray(saved[keep], np.float32))
+
+    # -- the draw --------------------------------------------------------------------
+    def tree_for(self, exponent: float) -> int:
+        """The tree a draw with ``exponent`` proposes from (largest exponent <= it), or -1."""
+        fits = [i for i, e in enumerate(self.exponents) if e <= exponent]
+        return fits[-1] if fits else -1
+
+    def mass(self, tree: int, largest: float) -> float:
+        """Tree ``tree``'s total weight with never-set blocks bounded by ``largest``."""
+        return _prio.mass(self.mm, self.geometry, tree, largest)
+
+    def propose(self, raw: np.ndarray, length: int, tree: int, largest: float) -> np.ndarray:
+        """Candidate start rows (-1: none) from ``2 n`` raw words; see ``_prio.propose``."""
+        starts = np.empty(len(raw) // 2, np.int64)
+        _prio.propose(self.mm, self.geometry, raw, length, tree, largest, starts)
+        return starts
+
+    def score_ratio(self, rows: np.ndarray, exponent: float, maxfrac: float, largest: float,
+                    tree: int) -> tuple[np.ndarray, np.ndarray]:
+        """(score, score / proposal bound) of each located window (``tree`` -1: uniform
+        proposals); see ``_prio.score_ratio``."""
+        score = np.empty(len(rows), np.float64)
+        ratio = np.empty(len(rows), np.float64)
+        _prio.score_ratio(self.mm, self.geometry, np.ascontiguousarray(rows, np.int64),
+                          exponent, maxfrac, largest, tree, score, ratio)
+        return score, ratio
+
+    # -- upkeep ----------------------------------------------------------------------
+    def repair(self) -> None:
+        """Recompute the whole tree from the block words (after a process died mid-update)."""
+        _prio.repair(self.mm, self.geometry)
+
+    def leaf_bounds(self, tree: int) -> np.ndarray:
+        """Each block's bound as tree ``tree``'s leaves hold it now (float64; tests)."""
+        exponent, levels = self.ring.layout.priority_trees[tree]
+        at, n = levels[0]
+        leaves = np.frombuffer(self.mm, np.uint64, n, at).copy()
+        atomic.fence_acquire()
+        value = (leaves & np.uint64(_U32)).astype(np.uint32).view(np.float32).astype(np.float64)
+        default = (leaves >> np.uint64(40)) != 0
+        return np.where(default, self.largest() ** exponent, value)
+
+    def stale_nodes(self) -> tuple[int, int]:
+        """(leaves, nodes) that disagree with what they summarise right now."""
+        return _prio.stale_nodes(self.mm, self.geometry)
+
+
 class Slot:
     """A writer's claim on one slot: its lease and its cumulative counters."""
 
@@ -879,7 +1040,7 @@ class Streams:
         chunk, seq = ring.claim_chunk(slot.slot, slot.lease, int(self.id[i]))
         old = int(self.chunk[i])
         if old >= 0:
-            ring.link(old, chunk, seq)
+            ring.link(old, chunk, seq, int(self.seq[i]))
             ring.seal(old, int(self.seq[i]), slot.slot, slot.lease)
             self.pos0[i] += self.fill[i]
         self.chunk[i], self.seq[i], self.fill[i] = chunk, seq, 0

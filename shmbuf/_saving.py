@@ -11,6 +11,9 @@ A save is a directory that numpy alone can read:
   _ends.npy       (n,) int64: where a finished episode ends, the number it had in the
                   buffer's episode index (the order episodes ended), else -1
   _chunks.npy     (c,) int64: the first row of each saved chunk, in claim order
+  _priorities.npy (n,) float32, buffers with priorities only: the priority set for each
+                  step, NaN where none was (the manifest's "max_priority" is the largest
+                  ever set, null if none)
 
 ``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
 Why this format: it is columnar like the buffer, so saving is one write per
@@ -55,6 +58,7 @@ from ._layout import EP_COLUMN, normalize_spec
 FORMAT, VERSION = "shmbuf-save", 1
 MANIFEST = "manifest.json"
 STREAM, EPISODE, ENDS, CHUNKS = "_stream", "_episode", "_ends", "_chunks"
+PRIORITIES = "_priorities"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
 INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
@@ -142,6 +146,9 @@ class _Writer:
         self.columns[EPISODE] = _Column(os.path.join(self.path, EPISODE + ".npy"), np.int64,
                                         (), rows)
         self.columns[ENDS] = _Column(os.path.join(self.path, ENDS + ".npy"), np.int64, (), rows)
+        if self.ring.priorities is not None:
+            self.columns[PRIORITIES] = _Column(os.path.join(self.path, PRIORITIES + ".npy"),
+                                               np.float32, (), rows)
         self.chunk_starts = _Column(os.path.join(self.path, CHUNKS + ".npy"), np.int64, ())
         self.n_chunks = 0
         # Episode ends, so that loading ends every finished episode (a cut one too, at the
@@ -165,7 +172,9 @@ class _Writer:
             nonlocal eps
             eps = self.views[EP_COLUMN][base:base + count].copy()  # 8 bytes a row: the only copy
             for name, col in self.columns.items():
-                if name not in (STREAM, EPISODE, ENDS):
+                if name == PRIORITIES:
+                    col.write(self.rows, self.ring.priorities.saved(base, count))
+                elif name not in (STREAM, EPISODE, ENDS):
                     col.write(self.rows, self.views[name][base:base + count])
 
         kept = 0
@@ -237,6 +246,8 @@ class _Writer:
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
             "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
             **_rate_manifest(buf),
+            **({"priorities": True, "max_priority": self.ring.priorities.largest_set()}
+               if self.ring.priorities is not None else {}),
         }
 
     def close(self) -> None:
@@ -508,4 +519,10 @@ def open_save(path) -> tuple[dict, dict]:
              "spec": {k: (list(shape), dt.str) for k, (shape, dt) in manifest["spec"].items()},
              "columns": columns, "stream": stream, "episode": episode, "ends": ends,
              "chunks": chunks}
+    if manifest.get("priorities") is True:
+        state["priorities"] = _open_column(path, PRIORITIES, np.dtype(np.float32), (), rows)
+        top = manifest.get("max_priority")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
+            raise _bad(path, f"manifest field 'max_priority' is {top!r}")
+        state["max_priority"] = None if top is None else float(top)
     return manifest, state

@@ -168,7 +168,8 @@ class Buffer(Shared):
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
                          uniform: str | None = None, newest: int | None = None,
-                         select=None, timeout: float | None = None) -> dict:
+                         select=None, timeout: float | None = None,
+                         ids: bool = False) -> dict:
         """Draw ``batch_size`` windows of ``length`` consecutive steps, with replacement.
 
         Start steps are uniform over every valid start (or drawn as
@@ -209,6 +210,11 @@ class Buffer(Shared):
                 seconds to wait for inserts (None: as long as it takes); the
                 batch takes its ``batch_size * length`` replayed steps from
                 the shared budget when it is drawn.  Without one, unused.
+            ids: also return ``"ids"``: int64 step ids in the batch's layout,
+                for ``update_priorities`` (a buffer made with
+                ``priorities=True`` only).  An id names its step while the
+                buffer holds it and never another one.  With ``out``, give an
+                ``"ids"`` array too.
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
@@ -229,7 +235,14 @@ class Buffer(Shared):
         timeout = check_timeout(timeout)
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
-        targets = _prepare_out(out, self.spec, lead)
+        if not isinstance(ids, bool):
+            raise TypeError(f"ids must be True or False, got {ids!r}")
+        if ids:
+            self._check_priorities("sample_sequences(..., ids=True)")
+            if "ids" in self._views:
+                raise ValueError("ids=True: the buffer has a column named 'ids', which the "
+                                 "batch's step ids would replace")
+        targets = _prepare_out(out, self.spec, lead, ids=ids)
         limiter = self._limiter
         if limiter is not None:   # the batch's budget, taken before it is drawn
             limiter.replay(batch_size * length, timeout, "sample_sequences")
@@ -302,11 +315,98 @@ class Buffer(Shared):
         idx = np.ascontiguousarray(rows.T) if time_major else rows
         everything = len(pending) == batch_size
         for name, target in targets.items():
+            if name == "ids":   # read with the rows, checked by the same seqs after
+                ids = self._ring.priorities.ids(idx)
+                if everything and target.array is not None:
+                    target.array[...] = ids
+                else:
+                    target.put(ids, pending, time_major)
+                continue
             src = self._views[name]
             if everything and target.array is not None:
                 np.take(src, idx, axis=0, out=target.array, mode="clip")
             else:
                 target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
+
+    # -- priorities --------------------------------------------------------------------
+    @property
+    def priorities(self) -> bool:
+        """True if the buffer keeps a priority per step (``create(..., priorities=True)``)."""
+        return self._layout.priorities
+
+    def _check_priorities(self, what: str) -> None:
+        if not self._layout.priorities:
+            raise ValueError(f"{what} needs a buffer made with create(..., priorities=True); "
+                             f"buffer {self.name!r} keeps no priorities")
+
+    def update_priorities(self, ids, priorities) -> int:
+        """Set the priorities of sampled steps, from any attached process.
+
+        Steps the buffer no longer holds are skipped (their ids are stale and
+        never name another step).  Concurrent updates interleave; the last
+        write to a step wins.  Priorities are stored as float32.  A step never
+        updated has the largest priority ever set in this buffer, or 1.0
+        before any update.
+
+        Args:
+            ids: int64 ids from ``sample_sequences(..., ids=True)["ids"]``, a
+                numpy array or a CPU or CUDA torch tensor, any shape.
+            priorities: floats of the same shape, finite and >= 0.
+
+        Returns:
+            How many entries named a held step (and were written).
+
+        Raises:
+            ValueError: the buffer has no priorities; a shape mismatch; a
+                negative id; a priority that is NaN, infinite, negative or
+                too large for float32 (the message names the first such
+                position).  Nothing is written then.
+            TypeError: ids that are not int64, or priorities that are not floats.
+
+        Example:
+            >>> batch = buf.sample_sequences(50, 50, ids=True)
+            >>> buf.update_priorities(batch["ids"], loss.detach().abs())
+        """
+        self._check_live()
+        self._check_priorities("update_priorities")
+        ids = _host_array("ids", ids)
+        values = _host_array("priorities", priorities)
+        if ids.dtype != np.int64:
+            raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
+                            f"returns them), got dtype {ids.dtype}")
+        if values.dtype.kind != "f":
+            raise TypeError(f"priorities must be floats, got dtype {values.dtype}")
+        if values.shape != ids.shape:
+            raise ValueError(f"priorities has shape {values.shape} but ids has shape "
+                             f"{ids.shape}; they must match")
+        ids = np.ascontiguousarray(ids.reshape(-1))
+        with np.errstate(over="ignore", invalid="ignore"):
+            stored = np.ascontiguousarray(values.reshape(-1), np.float32)
+        bad = ~np.isfinite(stored) | (stored < 0)
+        if bad.any():
+            at = int(np.argmax(bad))
+            pos = [int(i) for i in np.unravel_index(at, values.shape)] if values.ndim else []
+            raise ValueError(f"priorities{pos} is {float(values.reshape(-1)[at])!r}; priorities "
+                             "must be finite, >= 0 and fit float32; nothing was updated")
+        if len(ids) and ids.min() < 0:
+            at = int(np.argmax(ids < 0))
+            pos = [int(i) for i in np.unravel_index(at, values.shape)]
+            raise ValueError(f"ids{pos} is {int(ids[at])}; step ids are >= 0; nothing "
+                             "was updated")
+        return self._ring.priorities.update(ids, stored)
+
+    def priorities_of(self, ids) -> np.ndarray:
+        """The priorities of the steps ``ids`` names now (NaN where an id is stale).
+
+        Example:
+            >>> buf.priorities_of(batch["ids"])
+        """
+        self._check_open()
+        self._check_priorities("priorities_of")
+        ids = _host_array("ids", ids)
+        if ids.dtype != np.int64:
+            raise TypeError(f"ids must be int64 step ids, got dtype {ids.dtype}")
+        return self._ring.priorities.of_ids(ids)
 
     # -- the trainer's data path ---------------------------------------------------------
     def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
@@ -734,11 +834,18 @@ class Buffer(Shared):
         return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
 
 
+def _host_array(what: str, value) -> np.ndarray:
+    """``value`` (an ndarray, a torch tensor on any device, or a sequence) as an ndarray."""
+    if type(value).__module__.startswith("torch"):
+        return value.detach().cpu().numpy()
+    return np.asarray(value)
+
+
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
            max_writers: int = 128, done_key: str | None = "done", seed=None,
            prefault: bool = False, overcommit: bool = False, meta: dict | None = None,
            episode_slots: int | None = None, handle_signals: bool | None = None,
-           rate_limit: RateLimit | None = None) -> Buffer:
+           rate_limit: RateLimit | None = None, priorities: bool = False) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -781,6 +888,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             (replayed steps per inserted step) for every process attached to
             the buffer: samples wait for inserts, and writers for samples
             (see ``shmbuf.ratelimit``).  None (default): no limit.
+        priorities: keep one float priority per step in the segment, seen by
+            every attached process (``update_priorities``,
+            ``select=Prioritized(...)``, ``sample_sequences(..., ids=True)``).
+            It costs 8 bytes per step and about 0.2 bytes per step of tree.
 
     Returns:
         The owning ``Buffer``; closing it (or dropping it, or exiting, or
@@ -801,8 +912,10 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         >>> with shmbuf.create(spec, capacity=100_000) as buf:
         ...     print(buf.name)
     """
+    if not isinstance(priorities, bool):
+        raise TypeError(f"priorities must be True or False, got {priorities!r}")
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
-                  done_key=done_key, episode_slots=episode_slots)
+                  done_key=done_key, episode_slots=episode_slots, priorities=priorities)
     _signals.check(handle_signals)
     rate = check_rate_limit(rate_limit)
     for flag, value in (("prefault", prefault), ("overcommit", overcommit)):
@@ -879,4 +992,6 @@ def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: 
     """
     segment.admit(own)
     buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
+    if own and buf._ring.priorities is not None:
+        buf._ring.priorities.repair()   # the dead owner may have died inside an update
     return _signals.watch_or_close(buf, handle_signals) if own else buf

@@ -344,6 +344,10 @@ class Writer:
         """Steps this writer has added in this process."""
         return self._steps
 
+    def stream_id(self) -> int:
+        """The buffer-wide id of the stream ``add``/``extend`` write (-1 before the first)."""
+        return int(self._solo.id[0]) if self._solo is not None else -1
+
     def close(self) -> None:
         """Seal this writer's chunks and free its slot.  Idempotent."""
         if self._closed:

@@ -1,0 +1,335 @@
+"""Shared priorities: ids, update_priorities, the prioritized draw, checkpoints, kills."""
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+import shmbuf
+from shmbuf import _prioritized
+from shmbuf._errors import NotEnoughDataError
+from shmbuf._layout import TREE_EXPONENTS
+
+from helpers.priority_workers import draw_starts, update_forever
+
+SPEC = {"x": ((), np.float32), "done": ((), np.bool_)}
+EPISODE = 37   # steps per episode: windows may not cross its ends
+
+
+def filled(capacity=1024, steps=900, chunk_size=64, **kw):
+    buf = shmbuf.create(SPEC, capacity, chunk_size=chunk_size, priorities=True, seed=1, **kw)
+    with buf.writer() as w:
+        for i in range(steps):
+            w.add(x=np.float32(i), done=np.bool_(i % EPISODE == EPISODE - 1))
+    return buf
+
+
+def all_ids(buf):
+    return buf._ring.priorities.ids(buf.committed_rows())
+
+
+def scores(buf, length, exponent, maxfrac):
+    """Every valid start row and its score, computed here from the stored priorities."""
+    finder = buf._finder
+    starts = finder.valid(buf.committed_rows(), length, 0)
+    rows = finder.locate(starts, length, 0, len(starts)).rows
+    p = buf._ring.priorities.values(rows.ravel())[0].reshape(rows.shape).astype(np.float64)
+    return starts, (maxfrac * p.max(1) + (1 - maxfrac) * p.mean(1)) ** exponent
+
+
+def chi_square_z(counts, expected):
+    """Wilson-Hilferty z of the chi-square statistic (about N(0, 1) under the null)."""
+    d = len(counts) - 1
+    x = float(((counts - expected) ** 2 / expected).sum())
+    return ((x / d) ** (1 / 3) - (1 - 2 / (9 * d))) / np.sqrt(2 / (9 * d))
+
+
+def binned(drawn, starts, score, bins=40):
+    """(observed, expected) draws in ``bins`` groups of starts of equal expected mass,
+    starts ordered by score: a wrong exponent or maxfrac moves mass between groups."""
+    order = np.argsort(score, kind="stable")
+    mass = score[order] / score.sum()
+    group = np.empty(len(starts), np.int64)
+    group[order] = np.minimum(((np.cumsum(mass) - mass / 2) * bins).astype(np.int64), bins - 1)
+    observed = np.bincount(group[np.searchsorted(starts, drawn)], minlength=bins)
+    expected = len(drawn) * np.bincount(group, weights=score / score.sum(), minlength=bins)
+    return observed, expected
+
+
+def check_follows(buf, drawn, length, exponent, maxfrac):
+    starts, score = scores(buf, length, exponent, maxfrac)
+    assert np.isin(drawn, starts).all(), "drew a start that cannot begin a window"
+    observed, expected = binned(drawn, starts, score)
+    assert expected.min() > 100
+    assert chi_square_z(observed, expected) < 5
+
+
+def set_random(buf, seed=0, frac=0.9):
+    """Random priorities on a fraction of the held steps (the rest keep the default):
+    a factor per 37 rows (e^-2 to e^2) times a lognormal per step, so window scores
+    differ by orders of magnitude and a wrong exponent or maxfrac shows."""
+    rng = np.random.default_rng(seed)
+    rows = buf.committed_rows()
+    ids = buf._ring.priorities.ids(rows)
+    value = np.exp(rng.uniform(-2, 2, len(rows) // EPISODE + 1))[rows // EPISODE] \
+        * rng.lognormal(0, 1, len(rows))
+    some = rng.random(len(ids)) < frac
+    buf.update_priorities(ids[some], value[some].astype(np.float32))
+
+
+# -- ids and update_priorities ------------------------------------------------------------
+def test_ids_name_the_sampled_steps_in_the_batch_layout():
+    with filled() as buf:
+        for time_major in (True, False):
+            batch = buf.sample_sequences(6, 5, ids=True, time_major=time_major, rng=3)
+            assert batch["ids"].dtype == np.int64 and batch["ids"].shape == batch["x"].shape
+            rows = buf.committed_rows()
+            by_id = dict(zip(all_ids(buf).tolist(), buf.arrays["x"][rows].tolist()))
+            assert [by_id[i] for i in batch["ids"].ravel()] == batch["x"].ravel().tolist()
+        out = {"x": np.empty((5, 6), np.float32), "done": np.empty((5, 6), bool),
+               "ids": np.empty((5, 6), np.int64)}
+        assert buf.sample_sequences(6, 5, ids=True, out=out)["ids"] is out["ids"]
+        assert (buf.priorities_of(out["ids"]) == 1.0).all()
+
+
+def test_default_is_the_largest_ever_and_stale_ids_never_come_back():
+    with filled(capacity=256, steps=200, chunk_size=16) as buf:
+        ids = all_ids(buf)
+        assert (buf.priorities_of(ids) == 1.0).all()           # before any update: 1.0
+        assert buf.update_priorities(ids[:3], np.array([0.5, 0.25, 0.125])) == 3
+        assert (buf.priorities_of(ids[3:]) == 0.5).all()       # the largest ever set
+        assert buf.update_priorities(ids[:1], np.float32([0.0]).repeat(1)) == 1
+        assert buf.priorities_of(ids[:2]).tolist() == [0.0, 0.25]
+        with buf.writer() as w:                                # recycle every chunk
+            for i in range(400):
+                w.add(x=np.float32(i), done=np.bool_(False))
+        assert np.isnan(buf.priorities_of(ids)).all()
+        assert buf.update_priorities(ids, np.ones(len(ids), np.float32)) == 0
+        new = all_ids(buf)
+        assert not np.isin(new, ids).any() and new.min() > ids.max()
+        assert (buf.priorities_of(new) == 0.5).all()           # fresh steps: largest ever
+
+
+def test_priorities_are_shared_with_attached_processes():
+    with filled() as buf:
+        other = shmbuf.attach(buf.name)
+        try:
+            ids = all_ids(buf)[:10]
+            assert other.update_priorities(ids, np.arange(10, dtype=np.float64)) == 10
+            assert buf.priorities_of(ids).tolist() == list(range(10))
+        finally:
+            other.close()
+
+
+def test_bad_input_is_refused_and_nothing_is_written():
+    with shmbuf.create(SPEC, 256, chunk_size=16) as plain:
+        plain.writer().add(x=np.float32(0), done=np.bool_(False))
+        for call in (lambda: plain.sample_sequences(1, 1, ids=True),
+                     lambda: plain.update_priorities(np.zeros(1, np.int64), np.ones(1)),
+                     lambda: _prioritized.check(plain)):
+            with pytest.raises(ValueError, match="priorities=True"):
+                call()
+    with filled() as buf:
+        ids = all_ids(buf)[:4]
+        before = buf.priorities_of(all_ids(buf))
+        with pytest.raises(TypeError, match="int64"):
+            buf.update_priorities(ids.astype(np.int32), np.ones(4))
+        with pytest.raises(TypeError, match="floats"):
+            buf.update_priorities(ids, np.ones(4, np.int64))
+        with pytest.raises(ValueError, match=r"shape \(3,\).*\(4,\)"):
+            buf.update_priorities(ids, np.ones(3))
+        for bad, at in ((np.nan, 2), (np.inf, 1), (-1.0, 3), (1e39, 0)):
+            vals = np.ones(4)
+            vals[at] = bad
+            with pytest.raises(ValueError, match=rf"priorities\[{at}\] is .*nothing was updated"):
+                buf.update_priorities(ids, vals)
+        with pytest.raises(ValueError, match=r"ids\[1\] is -5"):
+            buf.update_priorities(np.array([ids[0], -5]), np.ones(2))
+        with pytest.raises(TypeError, match="ids must be True or False"):
+            buf.sample_sequences(2, 2, ids=1)
+        assert np.array_equal(buf.priorities_of(all_ids(buf)), before)
+        assert buf._ring.priorities.largest_set() is None
+        with pytest.raises(TypeError, match="priorities must be True or False"):
+            shmbuf.create(SPEC, 64, priorities=1)
+
+
+def test_torch_tensors_update_like_arrays():
+    with filled() as buf:
+        batch = buf.sample_sequences(4, 3, ids=True)
+        ids = torch.from_numpy(batch["ids"])
+        assert buf.update_priorities(ids, torch.full(ids.shape, 2.0)) == ids.numel()
+        assert (buf.priorities_of(batch["ids"]) == 2.0).all()
+
+
+# -- the draw -------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("exponent,maxfrac", [(0.8, 0.5), (0.6, 0.5), (1.0, 1.0), (2.0, 0.0),
+                                              (0.3, 0.5)])
+def test_prioritized_draws_follow_the_score(exponent, maxfrac):
+    with filled() as buf:
+        set_random(buf)
+        rng = np.random.default_rng(7)
+        drawn = np.concatenate([_prioritized.draw(buf._finder, rng, 2000, 8, 0, exponent,
+                                                  maxfrac).rows[:, 0] for _ in range(20)])
+        check_follows(buf, drawn, 8, exponent, maxfrac)
+        assert buf._ring.priorities.stale_nodes() == (0, 0)
+
+
+@pytest.mark.slow
+def test_windows_longer_than_a_block_walk_back_across_chunks():
+    # 16-row chunks and blocks, windows of 24: proposals step back over a chunk's link.
+    with filled(capacity=512, steps=500, chunk_size=16) as buf:
+        set_random(buf, seed=2, frac=1.0)
+        rng = np.random.default_rng(8)
+        drawn = np.concatenate([_prioritized.draw(buf._finder, rng, 2000, 24, 0, 0.8,
+                                                  0.5).rows[:, 0] for _ in range(10)])
+        check_follows(buf, drawn, 24, 0.8, 0.5)
+
+
+@pytest.mark.slow
+def test_prioritized_draws_spread_over_processes_follow_the_score():
+    with filled() as buf:
+        set_random(buf, seed=4)
+        ctx = mp.get_context("spawn")
+        procs, conns = [], []
+        try:
+            for seed in range(3):
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=draw_starts,
+                                args=(buf.name, 100 + seed, 8, 2000, 8, 0.8, 0.5, theirs))
+                p.start()
+                procs.append(p)
+                conns.append(mine)
+            drawn = []
+            for c in conns:
+                assert c.poll(120), "a drawing child did not answer"
+                drawn.append(c.recv())
+            check_follows(buf, np.concatenate(drawn), 8, 0.8, 0.5)
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+
+
+def test_total_is_the_sum_of_scores_and_zero_scores_are_never_drawn():
+    with filled() as buf:
+        set_random(buf, seed=5)
+        _, score = scores(buf, 8, 0.8, 0.5)
+        got = _prioritized.total(buf, 8, 0, 0.8, 0.5, np.random.default_rng(0))
+        assert got == pytest.approx(score.sum(), rel=1e-9)
+        est = _prioritized.total(buf, 8, 0, 0.8, 0.5, np.random.default_rng(0), probes=512)
+        assert est == pytest.approx(score.sum(), rel=0.1)
+        buf.update_priorities(all_ids(buf), np.zeros(len(buf), np.float32))
+        with pytest.raises(NotEnoughDataError, match="positive priority score"):
+            _prioritized.draw(buf._finder, np.random.default_rng(0), 5, 8, 0, 0.8, 0.5)
+
+
+# -- checkpoints and adoption ---------------------------------------------------------------
+def _table(buf):
+    rows = buf.committed_rows()
+    x = buf.arrays["x"][rows]
+    value, explicit = buf._ring.priorities.values(rows)
+    order = np.argsort(x)
+    return x[order], value[order], explicit[order]
+
+
+@pytest.mark.parametrize("how", ["snapshot", "state_dict", "save"])
+def test_checkpoints_keep_priorities(how, tmp_path):
+    with filled() as buf:
+        set_random(buf, seed=6, frac=0.3)
+        if how == "save":
+            buf.save(tmp_path / "s")
+            back = shmbuf.load(tmp_path / "s")
+        else:
+            back = shmbuf.create(SPEC, 1024, chunk_size=64, priorities=True)
+            if how == "snapshot":
+                back.restore(buf.snapshot())
+            else:
+                torch.save(buf.state_dict(), tmp_path / "s.pt")
+                back.load_state_dict(torch.load(tmp_path / "s.pt", weights_only=True))
+        with back:
+            for a, b in zip(_table(buf), _table(back)):
+                assert np.array_equal(a, b)
+            assert back._ring.priorities.largest() == buf._ring.priorities.largest()
+            assert back._ring.priorities.stale_nodes() == (0, 0)
+
+
+# -- kills ------------------------------------------------------------------------------------
+def bounds_hold(buf):
+    """No leaf bounds a set priority of its block from below, and nothing is NaN or < 0."""
+    pri = buf._ring.priorities
+    rows = buf.committed_rows()
+    value, _ = pri.values(rows)
+    assert np.isfinite(value).all() and (value >= 0).all()
+    k, block = buf.chunk_size, pri.block
+    leaf = (rows // k) * -(-k // block) + (rows % k) // block
+    for tree, exponent in enumerate(TREE_EXPONENTS):
+        bound = pri.leaf_bounds(tree)[leaf] * (1 + 1e-6)
+        assert (bound >= value.astype(np.float64) ** exponent).all()
+
+
+@pytest.mark.slow
+def test_sigkill_during_updates_leaves_priorities_usable():
+    rng = np.random.default_rng(11)
+    ctx = mp.get_context("spawn")
+    with filled(capacity=4096, steps=4000, chunk_size=64) as buf, buf.writer() as w:
+        step = 0
+        for round_ in range(12):
+            ids = all_ids(buf)
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=update_forever, args=(buf.name, ids, round_, theirs))
+            p.start()
+            try:
+                for _ in range(int(rng.integers(1, 4))):
+                    assert mine.poll(60), "the updater did not start"
+                    mine.recv_bytes()
+                os.kill(p.pid, signal.SIGKILL)   # most likely in the middle of a call
+            finally:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+            assert p.exitcode == -signal.SIGKILL
+            bounds_hold(buf)
+            batch = buf.sample_sequences(8, 4, ids=True)
+            assert buf.update_priorities(batch["ids"], np.full(batch["ids"].shape, 0.5)) == 32
+            _prioritized.draw(buf._finder, rng, 50, 8, 0, 0.8, 0.5)
+            for _ in range(300):   # writers keep recycling chunks between kills
+                w.add(x=np.float32(step), done=np.bool_(step % EPISODE == EPISODE - 1))
+                step += 1
+        bounds_hold(buf)
+        buf._ring.priorities.repair()
+        assert buf._ring.priorities.stale_nodes() == (0, 0)
+
+
+PRIORITY_OWNER = """
+    import numpy as np, time, shmbuf
+    buf = shmbuf.create({{"x": ((), np.float32)}}, 256, chunk_size=16, priorities=True,
+                        name={name!r})
+    w = buf.writer()
+    for i in range(200):
+        w.add(x=np.float32(i))
+    ids = buf.sample_sequences(1, 200, ids=True)["ids"][:, 0]
+    buf.update_priorities(ids, np.arange(200, dtype=np.float32) / 8)
+    print(buf.name, flush=True)
+    while True:
+        time.sleep(1)
+"""
+
+
+@pytest.mark.slow
+def test_an_adopter_keeps_the_priorities():
+    from helpers.adopters import dead_owner
+
+    name = dead_owner(PRIORITY_OWNER, "prio")
+    with shmbuf.attach(name, own=True) as buf:
+        rows = buf.committed_rows()
+        x = buf.arrays["x"][rows]
+        assert np.array_equal(buf._ring.priorities.values(rows)[0], x / 8)
+        assert buf._ring.priorities.largest() == 199 / 8
+        assert buf._ring.priorities.stale_nodes() == (0, 0)
