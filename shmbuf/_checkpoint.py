@@ -53,7 +53,7 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     def copy(base: int, count: int) -> None:
         for name in names:
             if name == PRIORITY_COLUMN:   # the value set in this claim, NaN if none
-                out[name][at:at + count] = ring.priorities.saved(base, count)
+                out[name][at:at + count] = ring.prio().saved(base, count)
             else:
                 out[name][at:at + count] = views[name][base:base + count]
 
@@ -370,8 +370,9 @@ def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state
     stream holds, oldest chunk first, the newest of that stream's rows (all
     of them unless the capacity is smaller).
     """
+    pri = ring.prio()
     if state.get("max_priority") is not None:
-        ring.priorities.raise_largest(float(state["max_priority"]))
+        pri.raise_largest(float(state["max_priority"]))
     saved = np.asarray(state["priorities"])
     live = ring.live_chunks()
     for sid, w in replay.writers.items():
@@ -380,7 +381,7 @@ def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state
                                zip(live.base[mine], live.count[mine])] or [np.empty(0, np.int64)])
         theirs = np.flatnonzero(stream == sid)
         if len(rows):
-            ring.priorities.restore(rows, np.ascontiguousarray(saved[theirs[-len(rows):]]))
+            pri.restore(rows, np.ascontiguousarray(saved[theirs[-len(rows):]]))
 
 
 class _Replay:

@@ -421,7 +421,7 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
     done = [c.name for c in columns].index(done_key) if done_key is not None else -1
     prio: tuple = (0, 0, 0, ())
     if priorities:
-        *prio, cursor = _priority_regions(cursor, chunk_size, n_chunks)  # type: ignore[assignment]
+        *prio, cursor = _priority_regions(cursor, chunk_size, n_chunks)
     return Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
                   slots_offset, chunks_offset, cursor, episode_slots, episodes_offset, *prio)
 

@@ -435,6 +435,12 @@ class Ring:
         """Chunks claimed so far (at most all): readers look at no entry at or above it."""
         return min(self.counter("ticket"), self.layout.n_chunks)
 
+    def prio(self) -> "Priorities":
+        """The priorities of a buffer made with ``priorities=True`` (the caller checked)."""
+        if self.priorities is None:
+            raise ValueError(f"buffer {self.name!r} keeps no priorities")
+        return self.priorities
+
     # -- the closed mark ----------------------------------------------------------
     def closed(self) -> int:
         return closed_word(self.mm)

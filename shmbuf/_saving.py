@@ -515,10 +515,11 @@ def open_save(path) -> tuple[dict, dict]:
     if len(chunks) and (chunks[0] != 0 or (np.diff(chunks) <= 0).any() or chunks[-1] >= rows):
         raise _bad(path, f"{CHUNKS}.npy does not list increasing chunk starts within the rows")
 
-    state = {"format": STATE_FORMAT,
-             "spec": {k: (list(shape), dt.str) for k, (shape, dt) in manifest["spec"].items()},
-             "columns": columns, "stream": stream, "episode": episode, "ends": ends,
-             "chunks": chunks}
+    state: dict = {"format": STATE_FORMAT,
+                   "spec": {k: (list(shape), dt.str)
+                            for k, (shape, dt) in manifest["spec"].items()},
+                   "columns": columns, "stream": stream, "episode": episode, "ends": ends,
+                   "chunks": chunks}
     if manifest.get("priorities") is True:
         state["priorities"] = _open_column(path, PRIORITIES, np.dtype(np.float32), (), rows)
         top = manifest.get("max_priority")

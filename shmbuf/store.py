@@ -316,7 +316,7 @@ class Buffer(Shared):
         everything = len(pending) == batch_size
         for name, target in targets.items():
             if name == "ids":   # read with the rows, checked by the same seqs after
-                ids = self._ring.priorities.ids(idx)
+                ids = self._ring.prio().ids(idx)
                 if everything and target.array is not None:
                     target.array[...] = ids
                 else:
@@ -393,7 +393,7 @@ class Buffer(Shared):
             pos = [int(i) for i in np.unravel_index(at, values.shape)]
             raise ValueError(f"ids{pos} is {int(ids[at])}; step ids are >= 0; nothing "
                              "was updated")
-        return self._ring.priorities.update(ids, stored)
+        return self._ring.prio().update(ids, stored)
 
     def priorities_of(self, ids) -> np.ndarray:
         """The priorities of the steps ``ids`` names now (NaN where an id is stale).
@@ -406,7 +406,7 @@ class Buffer(Shared):
         ids = _host_array("ids", ids)
         if ids.dtype != np.int64:
             raise TypeError(f"ids must be int64 step ids, got dtype {ids.dtype}")
-        return self._ring.priorities.of_ids(ids)
+        return self._ring.prio().of_ids(ids)
 
     # -- the trainer's data path ---------------------------------------------------------
     def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
