@@ -71,8 +71,9 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
     rate = _acceptance.get(key, 0.25)
     for round_ in range(_ROUNDS):
         # Sized by the acceptance seen last time in this process (a guess only: the
-        # proposals are independent whatever their number), growing 4x per round.
-        size = min(int(need / max(rate, 0.01) * 1.25 + 16) << 2 * round_, _MAX_PROPOSALS)
+        # proposals are independent whatever their number), with room to spare so
+        # that one round usually does, and growing 4x per round after it.
+        size = min(int(need / max(rate, 0.01) * 1.5 + 16) << 2 * round_, _MAX_PROPOSALS)
         raw = _propose(finder, pri, rng, size, length, top, tree)
         starts = raw[raw >= 0]
         w = finder.locate(starts, length, tail, len(starts))
