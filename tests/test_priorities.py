@@ -10,6 +10,7 @@ import torch
 
 import shmbuf
 from shmbuf import _prioritized
+from shmbuf.select import Prioritized
 from shmbuf._errors import NotEnoughDataError
 from shmbuf._layout import TREE_EXPONENTS
 
@@ -32,12 +33,22 @@ def all_ids(buf):
 
 
 def scores(buf, length, exponent, maxfrac):
-    """Every valid start row and its score, computed here from the stored priorities."""
+    """Every valid start (as its step's x, ascending) and its score, computed here from
+    the stored priorities."""
     finder = buf._finder
     starts = finder.valid(buf.committed_rows(), length, 0)
     rows = finder.locate(starts, length, 0, len(starts)).rows
     p = buf._ring.priorities.values(rows.ravel())[0].reshape(rows.shape).astype(np.float64)
-    return starts, (maxfrac * p.max(1) + (1 - maxfrac) * p.mean(1)) ** exponent
+    x = buf.arrays["x"][starts]
+    order = np.argsort(x)
+    return x[order], ((maxfrac * p.max(1) + (1 - maxfrac) * p.mean(1)) ** exponent)[order]
+
+
+def draws(buf, calls, n, length, exponent, maxfrac, seed):
+    """The first steps (x) of ``calls * n`` windows sampled with select=Prioritized."""
+    sel = Prioritized(exponent=exponent, maxfrac=maxfrac)
+    return np.concatenate([buf.sample_sequences(n, length, select=sel, rng=seed + i)["x"][0]
+                           for i in range(calls)])
 
 
 def chi_square_z(counts, expected):
@@ -129,7 +140,7 @@ def test_bad_input_is_refused_and_nothing_is_written():
         plain.writer().add(x=np.float32(0), done=np.bool_(False))
         for call in (lambda: plain.sample_sequences(1, 1, ids=True),
                      lambda: plain.update_priorities(np.zeros(1, np.int64), np.ones(1)),
-                     lambda: _prioritized.check(plain)):
+                     lambda: plain.sample_sequences(1, 1, select=Prioritized())):
             with pytest.raises(ValueError, match="priorities=True"):
                 call()
     with filled() as buf:
@@ -171,10 +182,7 @@ def test_torch_tensors_update_like_arrays():
 def test_prioritized_draws_follow_the_score(exponent, maxfrac):
     with filled() as buf:
         set_random(buf)
-        rng = np.random.default_rng(7)
-        drawn = np.concatenate([_prioritized.draw(buf._finder, rng, 2000, 8, 0, exponent,
-                                                  maxfrac).rows[:, 0] for _ in range(20)])
-        check_follows(buf, drawn, 8, exponent, maxfrac)
+        check_follows(buf, draws(buf, 20, 2000, 8, exponent, maxfrac, 7), 8, exponent, maxfrac)
         assert buf._ring.priorities.stale_nodes() == (0, 0)
 
 
@@ -183,10 +191,7 @@ def test_windows_longer_than_a_block_walk_back_across_chunks():
     # 16-row chunks and blocks, windows of 24: proposals step back over a chunk's link.
     with filled(capacity=512, steps=500, chunk_size=16) as buf:
         set_random(buf, seed=2, frac=1.0)
-        rng = np.random.default_rng(8)
-        drawn = np.concatenate([_prioritized.draw(buf._finder, rng, 2000, 24, 0, 0.8,
-                                                  0.5).rows[:, 0] for _ in range(10)])
-        check_follows(buf, drawn, 24, 0.8, 0.5)
+        check_follows(buf, draws(buf, 10, 2000, 24, 0.8, 0.5, 8), 24, 0.8, 0.5)
 
 
 @pytest.mark.slow
@@ -226,7 +231,7 @@ def test_total_is_the_sum_of_scores_and_zero_scores_are_never_drawn():
         assert est == pytest.approx(score.sum(), rel=0.1)
         buf.update_priorities(all_ids(buf), np.zeros(len(buf), np.float32))
         with pytest.raises(NotEnoughDataError, match="positive priority score"):
-            _prioritized.draw(buf._finder, np.random.default_rng(0), 5, 8, 0, 0.8, 0.5)
+            buf.sample_sequences(5, 8, select=Prioritized())
 
 
 # -- checkpoints and adoption ---------------------------------------------------------------
@@ -298,7 +303,7 @@ def test_sigkill_during_updates_leaves_priorities_usable():
             bounds_hold(buf)
             batch = buf.sample_sequences(8, 4, ids=True)
             assert buf.update_priorities(batch["ids"], np.full(batch["ids"].shape, 0.5)) == 32
-            _prioritized.draw(buf._finder, rng, 50, 8, 0, 0.8, 0.5)
+            buf.sample_sequences(50, 8, select=Prioritized(), rng=round_)
             for _ in range(300):   # writers keep recycling chunks between kills
                 w.add(x=np.float32(step), done=np.bool_(step % EPISODE == EPISODE - 1))
                 step += 1

@@ -2,17 +2,16 @@
 import numpy as np
 
 import shmbuf
-from shmbuf import _prioritized
+from shmbuf.select import Prioritized
 
 
 def draw_starts(name, seed, calls, n, length, exponent, maxfrac, conn):
-    """Send the start rows of ``calls * n`` prioritized windows drawn in this process."""
-    buf = shmbuf.attach(name)
+    """Send the first steps (x) of ``calls * n`` prioritized windows drawn in this process."""
+    buf = shmbuf.attach(name, seed=seed)
     try:
-        rng = np.random.default_rng(seed)
-        starts = [_prioritized.draw(buf._finder, rng, n, length, 0, exponent, maxfrac).rows[:, 0]
-                  for _ in range(calls)]
-        conn.send(np.concatenate(starts))
+        sel = Prioritized(exponent=exponent, maxfrac=maxfrac)
+        conn.send(np.concatenate([buf.sample_sequences(n, length, select=sel)["x"][0]
+                                  for _ in range(calls)]))
     finally:
         buf.close()
 
