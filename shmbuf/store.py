@@ -369,30 +369,7 @@ class Buffer(Shared):
         """
         self._check_live()
         self._check_priorities("update_priorities")
-        ids = _host_array("ids", ids)
-        values = _host_array("priorities", priorities)
-        if ids.dtype != np.int64:
-            raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
-                            f"returns them), got dtype {ids.dtype}")
-        if values.dtype.kind != "f":
-            raise TypeError(f"priorities must be floats, got dtype {values.dtype}")
-        if values.shape != ids.shape:
-            raise ValueError(f"priorities has shape {values.shape} but ids has shape "
-                             f"{ids.shape}; they must match")
-        ids = np.ascontiguousarray(ids.reshape(-1))
-        with np.errstate(over="ignore", invalid="ignore"):
-            stored = np.ascontiguousarray(values.reshape(-1), np.float32)
-        bad = ~np.isfinite(stored) | (stored < 0)
-        if bad.any():
-            at = int(np.argmax(bad))
-            pos = [int(i) for i in np.unravel_index(at, values.shape)] if values.ndim else []
-            raise ValueError(f"priorities{pos} is {float(values.reshape(-1)[at])!r}; priorities "
-                             "must be finite, >= 0 and fit float32; nothing was updated")
-        if len(ids) and ids.min() < 0:
-            at = int(np.argmax(ids < 0))
-            pos = [int(i) for i in np.unravel_index(at, values.shape)]
-            raise ValueError(f"ids{pos} is {int(ids[at])}; step ids are >= 0; nothing "
-                             "was updated")
+        ids, stored = checked_priorities(ids, priorities)
         return self._ring.prio().update(ids, stored)
 
     def priorities_of(self, ids) -> np.ndarray:
@@ -832,6 +809,39 @@ class Buffer(Shared):
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"
         return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
+
+
+def checked_priorities(ids, priorities) -> tuple[np.ndarray, np.ndarray]:
+    """``update_priorities``' arguments checked: (flat int64 ids, flat float32 priorities).
+
+    Raises what ``Buffer.update_priorities`` documents; shmbuf.ray checks its
+    arguments here too, before anything is written on any shard.
+    """
+    ids = _host_array("ids", ids)
+    values = _host_array("priorities", priorities)
+    if ids.dtype != np.int64:
+        raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
+                        f"returns them), got dtype {ids.dtype}")
+    if values.dtype.kind != "f":
+        raise TypeError(f"priorities must be floats, got dtype {values.dtype}")
+    if values.shape != ids.shape:
+        raise ValueError(f"priorities has shape {values.shape} but ids has shape "
+                         f"{ids.shape}; they must match")
+    flat = np.ascontiguousarray(ids.reshape(-1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        stored = np.ascontiguousarray(values.reshape(-1), np.float32)
+    bad = ~np.isfinite(stored) | (stored < 0)
+    if bad.any():
+        at = int(np.argmax(bad))
+        pos = [int(i) for i in np.unravel_index(at, values.shape)] if values.ndim else []
+        raise ValueError(f"priorities{pos} is {float(values.reshape(-1)[at])!r}; priorities "
+                         "must be finite, >= 0 and fit float32; nothing was updated")
+    if len(flat) and flat.min() < 0:
+        at = int(np.argmax(flat < 0))
+        pos = [int(i) for i in np.unravel_index(at, values.shape)]
+        raise ValueError(f"ids{pos} is {int(flat[at])}; step ids are >= 0; nothing "
+                         "was updated")
+    return flat, stored
 
 
 def _host_array(what: str, value) -> np.ndarray:

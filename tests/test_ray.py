@@ -40,7 +40,7 @@ assert not ray_constants.ENABLE_RAY_CLUSTER, (
 
 import shmbuf  # noqa: E402
 import shmbuf.ray as sray  # noqa: E402
-from shmbuf.select import AgeBuckets, Mixture, Recency, Uniform  # noqa: E402
+from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform  # noqa: E402
 
 pytestmark = pytest.mark.slow
 T = 60                      # seconds: the bound on every ray.get in these tests
@@ -323,6 +323,48 @@ def test_shares_follow_each_shards_valid_windows(cluster, rb):
     assert abs(counts[0] / n - p) < 4 * np.sqrt(p * (1 - p) / n), counts
     here.close()
     ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)
+
+
+def test_prioritized_shares_and_updates_go_to_the_shard_that_holds_the_step(cluster):
+    _, ids, agents = cluster
+    rb = sray.create(SPEC, 2_000, namespace=NS, node_resource="shard", seed=3, chunk_size=64,
+                     priorities=True)
+    here = None
+    try:
+        here = rb.writer()                   # n0: one episode of 600 steps
+        for s in range(600):
+            here.add(wid=0, step=s, obs=np.full((3, 8, 8), s % 251, np.uint8), done=False)
+        here.flush()
+        ray.get(agents["n1"].run.remote(write_one_episode, rb, 1, 600), timeout=T)
+        batch = rb.sample_sequences(64, 10, select=Prioritized(), ids=True)
+        assert (batch["step"][1:] - batch["step"][:-1] == 1).all()
+        wid = batch["wid"][0]
+        # Every step gets priority 1 + its writer's id * 8: n1's windows then score 9 ** 0.8
+        # against 1 for n0's (the same number of windows), after the updates route right.
+        assert rb.update_priorities(batch["ids"], 1.0 + 8.0 * batch["wid"]) == 640
+        for s in rb.shards:
+            buf = shmbuf.attach(s.buffer)
+            try:
+                mine = batch["ids"] >> 39 == sray._ids.tag_of(s.buffer)
+                got = buf.priorities_of(batch["ids"][mine] & ((1 << 39) - 1))
+                assert got.size and (got == 1.0 + 8.0 * batch["wid"][mine]).all()
+                every = buf._ring.prio().ids(buf.committed_rows())
+                w = buf.arrays["wid"][buf.committed_rows()][0]
+                buf.update_priorities(every, np.full(len(every), 1.0 + 8.0 * w))
+            finally:
+                buf.close()
+        p = 9 ** 0.8 / (1 + 9 ** 0.8)
+        n1 = sum(int(np.sum(rb.sample_sequences(64, 10, select=Prioritized(), rng=k)
+                            ["wid"][0] == 1)) for k in range(10))
+        assert abs(n1 / 640 - p) < 4 * np.sqrt(p * (1 - p) / 640), n1
+        assert wid.size == 64
+        with pytest.raises(ValueError, match=r"priorities\[0\] is nan"):
+            rb.update_priorities(batch["ids"][0, :1], np.array([np.nan]))
+    finally:
+        if here is not None:
+            here.close()
+        ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)
+        rb.close()
 
 
 def write_one_episode(state, rb, wid, steps):

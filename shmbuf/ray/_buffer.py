@@ -9,7 +9,7 @@ import numpy as np
 import ray
 
 import shmbuf
-from shmbuf.ray import _sampler
+from shmbuf.ray import _ids, _sampler
 from shmbuf.ray._count import MODES, modes
 from shmbuf.select import resolve
 from shmbuf.ray._errors import ShardLostError, is_loss
@@ -187,7 +187,7 @@ class ShardedBuffer:
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
                          out: dict | None = None, rng=None, tail: int = 0,
                          uniform: str | None = None, newest: int | None = None,
-                         select=None) -> dict:
+                         select=None, ids: bool = False) -> dict:
         """``batch_size`` windows uniform over all valid windows (or episodes) of all shards.
 
         Each shard's share is drawn multinomially in proportion to its valid
@@ -222,6 +222,11 @@ class ShardedBuffer:
             ``{column: array}`` of shape ``(length, batch_size, ...)`` (time-major),
             or the ``out`` objects.
 
+            ids: also return ``"ids"`` (int64, the batch's layout) for
+                ``update_priorities``: each names its shard in its top bits
+                (``shmbuf.ray._ids``), so any handle routes it back.  Shards
+                made with ``priorities=True`` only.
+
         Raises:
             NotEnoughDataError: no shard holds a valid window (or an eligible
                 finished episode) yet.
@@ -238,10 +243,63 @@ class ShardedBuffer:
                                                           newest, select)
         gen = self._rng if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
-        arrays = _out_arrays(out, self._spec, lead)
-        p = _sampler.plan(self, batch_size, length, tail, time_major, gen, mix=mix)
+        if not isinstance(ids, bool):
+            raise TypeError(f"ids must be True or False, got {ids!r}")
+        if ids and not self._options.get("priorities"):
+            raise ValueError("sample_sequences(..., ids=True) needs shards made with "
+                             "shmbuf.ray.create(..., priorities=True)")
+        arrays = _out_arrays(out, dict(self._spec, ids=((), np.dtype(np.int64)))
+                             if ids else self._spec, lead)
+        p = _sampler.plan(self, batch_size, length, tail, time_major, gen, mix=mix, ids=ids)
         _sampler.finish(self, p, arrays, gen, self.timing)
         return arrays if out is None else out
+
+    def update_priorities(self, ids, priorities) -> int:
+        """Set the priorities of steps sampled with ``ids=True``, each on the shard holding it.
+
+        This node's shard is written in shared memory; the others get one
+        call each (in parallel).  Ids of a shard that is gone are skipped.
+
+        Args:
+            ids, priorities: as ``shmbuf.Buffer.update_priorities``; the ids
+                from this (or any) handle's ``sample_sequences(..., ids=True)``.
+
+        Returns:
+            How many entries named a held step.
+
+        Raises:
+            ValueError / TypeError: as ``shmbuf.Buffer.update_priorities``,
+                before anything is written on any shard.
+
+        Example:
+            >>> batch = rb.sample_sequences(50, 50, select=Prioritized(), ids=True)
+            >>> rb.update_priorities(batch["ids"], td_error)
+        """
+        self._check_open()
+        if not self._options.get("priorities"):
+            raise ValueError("update_priorities needs shards made with "
+                             "shmbuf.ray.create(..., priorities=True)")
+        flat, values = shmbuf.store.checked_priorities(ids, priorities)
+        tags, local = _ids.split(flat)
+        shards = {_ids.tag_of(s.buffer): s for s in self._live()}
+        here, updated, calls = self._local_shard(), 0, []
+        for tag in np.unique(tags).tolist():
+            s = shards.get(tag)
+            if s is None:
+                continue   # its shard is gone: the ids are stale
+            mine = tags == tag
+            if s is here and self._local_alive(s):
+                updated += self._attached(s).update_priorities(local[mine], values[mine])
+            else:
+                calls.append((s, s.actor.update_priorities.remote(local[mine], values[mine])))
+        for s, ref in calls:
+            try:
+                updated += ray.get(ref, timeout=self._timeout)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                self._lost(s, exc)
+        return updated
 
     def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
         """Checked ``(batch_size, length, tail, mix)``, ``mix`` the ``(fraction, mode)``

@@ -36,6 +36,7 @@ import numpy as np
 import ray
 
 from shmbuf import NotEnoughDataError
+from shmbuf.ray import _ids
 from shmbuf.ray._count import sample_kwargs, weight
 from shmbuf.ray._errors import ShardLostError, is_loss
 
@@ -61,6 +62,7 @@ class Plan:
     tail: int
     time_major: bool
     parts: list
+    ids: bool = False   # the batch has "ids": each part's are tagged with its shard (_ids)
 
     def what(self, part: Part) -> tuple:
         """The key of a part's counts: ``(length, tail, mode)``."""
@@ -129,24 +131,27 @@ class Counts:
 
 
 def plan(rb, batch_size: int, length: int, tail: int, time_major: bool,
-         rng: np.random.Generator, exclude=(), mix: tuple = ((1.0, "steps"),)) -> Plan:
+         rng: np.random.Generator, exclude=(), mix: tuple = ((1.0, "steps"),),
+         ids: bool = False) -> Plan:
     """Split a batch over the modes of ``mix`` (``_count.modes``), each over the live
     shards, and send the remote requests."""
     shards = [s for s in rb._live() if s.node_id not in exclude]
     if not shards:
         raise ShardLostError(f"{rb!r} has no live shard left to sample from")
+    if ids:
+        _ids.check_unique(shards)
     fractions = np.array([f for f, _ in mix])
     per_mode = ([batch_size] if len(mix) == 1
                 else rng.multinomial(batch_size, fractions / fractions.sum()).tolist())
     parts = []
     for (_, mode), n in zip(mix, per_mode):
         if n:
-            parts += _split(rb, shards, int(n), length, tail, time_major, rng, mode)
-    return Plan(batch_size, length, tail, time_major, parts)
+            parts += _split(rb, shards, int(n), length, tail, time_major, rng, mode, ids)
+    return Plan(batch_size, length, tail, time_major, parts, ids)
 
 
 def _split(rb, shards, batch_size: int, length: int, tail: int, time_major: bool, rng,
-           mode) -> list:
+           mode, ids: bool = False) -> list:
     """``batch_size`` windows of ``mode`` split over ``shards`` by their weights."""
     local = rb._local_shard()
     what = (length, tail, mode)
@@ -177,7 +182,7 @@ def _split(rb, shards, batch_size: int, length: int, tail: int, time_major: bool
         ref = None
         if s is not local:
             seed = int(rng.integers(1 << 63))
-            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed, mode)
+            ref = s.actor.sample.remote(int(n), length, tail, time_major, seed, mode, ids)
         parts.append(Part(s, int(n), ref, mode))
     return parts
 
@@ -202,6 +207,8 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
             return
         timing["local_s"] += time.perf_counter() - t0
         timing["local_windows"] += part.n
+        if p.ids:
+            _ids.tagged(dest["ids"], part.shard.buffer)
         return
     try:
         reply = ray.get(part.ref, timeout=rb._timeout)
@@ -220,6 +227,8 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
     for k, v in reply.items():
         np.copyto(dest[k], v)
         timing["remote_bytes"] += v.nbytes
+    if p.ids:
+        _ids.tagged(dest["ids"], part.shard.buffer)
     t2 = time.perf_counter()
     timing["remote_wait_s"] += t1 - t0
     timing["remote_copy_s"] += t2 - t1
@@ -228,7 +237,8 @@ def _fill(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude=()) ->
 
 def _redo(rb, p: Plan, part: Part, dest: dict, rng, timing: dict, exclude: tuple) -> None:
     """Draw a failed part's windows again from the other shards."""
-    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude, ((1.0, part.mode),))
+    sub = plan(rb, part.n, p.length, p.tail, p.time_major, rng, exclude, ((1.0, part.mode),),
+               p.ids)
     offset = 0
     for q in sorted(sub.parts, key=lambda q: q.ref is not None):
         _fill(rb, sub, q, _slices(dest, offset, q.n, p.time_major), rng, timing, exclude)
@@ -240,10 +250,10 @@ def _sample_local(rb, p: Plan, part: Part, dest: dict, rng) -> None:
     seed = int(rng.integers(1 << 63))
     if all(a.flags.c_contiguous for a in dest.values()):
         buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                             out=dest, rng=seed, **sample_kwargs(part.mode))
+                             out=dest, rng=seed, ids=p.ids, **sample_kwargs(part.mode))
         return
     batch = buf.sample_sequences(part.n, p.length, tail=p.tail, time_major=p.time_major,
-                                 rng=seed, **sample_kwargs(part.mode))
+                                 rng=seed, ids=p.ids, **sample_kwargs(part.mode))
     for k, v in batch.items():
         np.copyto(dest[k], v)
 

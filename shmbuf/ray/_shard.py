@@ -132,7 +132,7 @@ class Shard:
     # -- sampling -----------------------------------------------------------------------
     @ray.method(concurrency_group=SAMPLE)
     def sample(self, n: int, length: int, tail: int, time_major: bool, seed: int,
-               mode="steps") -> dict:
+               mode="steps", ids: bool = False) -> dict:
         """``n`` windows drawn here, as one contiguous batch, plus this shard's fresh count.
 
         ``mode`` is ``"steps"``, ``"episodes"`` (``sample_sequences``' ``uniform``)
@@ -146,12 +146,18 @@ class Shard:
         self._check_open()
         t0 = time.perf_counter()
         batch = self._buf.sample_sequences(n, length, tail=tail, time_major=time_major,
-                                           rng=seed, **sample_kwargs(mode))
+                                           rng=seed, ids=ids, **sample_kwargs(mode))
         self._received["samples"] += 1
         self._received["sampled_windows"] += n
         batch["__valid__"] = weight(self._buf, length, tail, mode, self._rng)
         batch["__sample_s__"] = time.perf_counter() - t0
         return batch
+
+    @ray.method(concurrency_group=SAMPLE)
+    def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
+        """``Buffer.update_priorities`` on this shard (ids local to it, checked by the caller)."""
+        self._check_open()
+        return self._buf.update_priorities(ids, priorities)
 
     @ray.method(concurrency_group=SAMPLE)
     def count(self, length: int, tail: int, mode="steps") -> float:
