@@ -43,7 +43,8 @@ typedef struct {
     int64_t chunks_at, n_chunks, k, capacity, entry;
     int64_t f_state, f_count, f_next, f_next_seq, f_ticket;
     int64_t slot_shift, no_slot;
-    int64_t rows_at, blocks_at, prev_at, bs, bpc, n_blocks, max_off;
+    int64_t rows_at, blocks_at, prev_at, bs, bpc, n_blocks, max_off, ticket_off;
+    int64_t claimed;   /* chunks claimed when the call began: no entry at or above is read */
     int n_trees, n_levels;
     double e[MAX_TREES];                     /* each tree's exponent, ascending */
     int64_t level_at[MAX_TREES][MAX_LEVELS], level_n[MAX_LEVELS];
@@ -122,11 +123,11 @@ static int
 parse(Py_buffer *mm, PyObject *geo, PG *g)
 {
     PyObject *trees;
-    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLLLLLLLLLO", &g->chunks_at, &g->n_chunks, &g->k,
+    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLLLLLLLLLLO", &g->chunks_at, &g->n_chunks, &g->k,
                           &g->capacity, &g->entry, &g->f_state, &g->f_count, &g->f_next,
                           &g->f_next_seq, &g->f_ticket, &g->slot_shift, &g->no_slot,
                           &g->rows_at, &g->blocks_at, &g->prev_at, &g->bs, &g->bpc,
-                          &g->n_blocks, &g->max_off, &trees))
+                          &g->n_blocks, &g->max_off, &g->ticket_off, &trees))
         return -1;
     g->base = mm->buf;
     g->len = mm->len;
@@ -169,10 +170,15 @@ parse(Py_buffer *mm, PyObject *geo, PG *g)
         || g->rows_at < 0 || g->rows_at % 8 || g->rows_at + 8 * g->capacity > g->len
         || g->blocks_at < 0 || g->blocks_at % 8 || g->blocks_at + 16 * g->n_blocks > g->len
         || g->prev_at < 0 || g->prev_at % 8 || g->prev_at + 16 * g->n_chunks > g->len
-        || g->max_off < 0 || g->max_off % 8 || g->max_off + 8 > g->len) {
+        || g->max_off < 0 || g->max_off % 8 || g->max_off + 8 > g->len
+        || g->ticket_off < 0 || g->ticket_off % 8 || g->ticket_off + 8 > g->len) {
         PyErr_SetString(PyExc_ValueError, "priority geometry does not fit the buffer");
         return -1;
     }
+    /* Chunks at or above the claim count were never claimed: their entries may not
+     * even have pages yet (_space), so nothing here reads them. */
+    uint64_t tickets = atomic_load_explicit(word(g, g->ticket_off), memory_order_acquire);
+    g->claimed = tickets < (uint64_t)g->n_chunks ? (int64_t)tickets : g->n_chunks;
     return 0;
 }
 
@@ -183,10 +189,12 @@ static void
 leaf_value(const PG *g, int tree, int64_t b, uint64_t *count, float *value)
 {
     int64_t chunk = b / g->bpc, first = (b % g->bpc) * g->bs;
-    uint64_t state = chunk_word(g, chunk, g->f_state);
-    int64_t rows = chunk_rows(g, chunk) - first;
     *count = 0;
     *value = 0.0f;
+    if (chunk >= g->claimed)
+        return;                                   /* never claimed: no step */
+    uint64_t state = chunk_word(g, chunk, g->f_state);
+    int64_t rows = chunk_rows(g, chunk) - first;
     if ((int64_t)((state >> g->slot_shift) & 0x7FFF) == g->no_slot || rows <= 0)
         return;                                   /* never claimed, or cleared: no step */
     *count = 1;                                   /* default: "holds a step never set" */
@@ -297,7 +305,7 @@ resolve(const PG *g, int64_t id, int64_t *offset, uint64_t *tag)
     if (id < 0)
         return -1;
     int64_t ticket = id / g->k, off = id % g->k, chunk = ticket % g->n_chunks;
-    if (off >= chunk_rows(g, chunk))
+    if (chunk >= g->claimed || off >= chunk_rows(g, chunk))
         return -1;
     uint64_t state = chunk_word(g, chunk, g->f_state);
     if ((state >> 32) & 1 || (int64_t)chunk_word(g, chunk, g->f_ticket) != ticket
@@ -581,7 +589,7 @@ predecessor(const PG *g, int64_t chunk, int64_t seq, int64_t *pseq)
     if (p == 0 || p > (uint64_t)g->n_chunks)
         return -1;
     int64_t pc = (int64_t)p - 1;
-    if ((int64_t)(chunk_word(g, pc, g->f_state) >> 32) != ps || (ps & 1)
+    if (pc >= g->claimed || (int64_t)(chunk_word(g, pc, g->f_state) >> 32) != ps || (ps & 1)
         || chunk_word(g, pc, g->f_next) != (uint64_t)chunk + 1
         || (int64_t)chunk_word(g, pc, g->f_next_seq) != seq)
         return -1;

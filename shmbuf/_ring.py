@@ -830,7 +830,7 @@ class Priorities:
                          16, NO_SLOT, lay.column(PRIORITY_COLUMN).offset,
                          lay.priority_blocks_offset, lay.priority_prev_offset, lay.priority_block,
                          lay.blocks_per_chunk, lay.n_chunks * lay.blocks_per_chunk,
-                         self._max_off, lay.priority_trees)
+                         self._max_off, COUNTERS["ticket"], lay.priority_trees)
         self.exponents = tuple(e for e, _ in lay.priority_trees)
 
     # -- writers (once per chunk) --------------------------------------------------
@@ -856,9 +856,11 @@ class Priorities:
         k, table = self.k, self.ring.chunk_table
         ticket, off = np.divmod(np.maximum(flat, 0), k)
         chunk = ticket % self.ring.layout.n_chunks
+        claimed = chunk < self.ring.claimed_chunks()   # no entry above it is read
+        chunk = np.where(claimed, chunk, 0)
         state = table[chunk, _STATE].copy()
         atomic.fence_acquire()
-        held = ((flat >= 0) & (off < self.ring.chunk_rows[chunk])
+        held = (claimed & (flat >= 0) & (off < self.ring.chunk_rows[chunk])
                 & (state >> np.uint64(32) & np.uint64(1) == 0)
                 & (table[chunk, _TICKET].view(np.int64) == ticket)
                 & (table[chunk, _COUNT].view(np.int64) > off))
