@@ -298,6 +298,31 @@ raise_tagged(atomic_u64 *w, uint64_t tag, uint64_t bits)
     }
 }
 
+/* Does every tree's leaf of block b bound a priority `v` (v ** e <= leaf)?  Without a
+ * pow for the exponents 0.5, 0.8 and 1.0 of _layout.TREE_EXPONENTS (float32 rounding
+ * may say no where the answer is yes: then the caller only refreshes once more). */
+static int
+leaves_cover(const PG *g, int64_t b, float v)
+{
+    for (int t = 0; t < g->n_trees; t++) {
+        uint64_t w = atomic_load_explicit(node(g, t, 0, b), memory_order_acquire);
+        if (w >> 40)
+            continue;                       /* bounded by the largest priority ever set */
+        double leaf = (double)f32(w), e = g->e[t], top;
+        if (e == 1.0)
+            top = leaf;
+        else if (e == 0.5)
+            top = leaf * leaf;
+        else if (e == 0.8)
+            top = leaf * sqrt(sqrt(leaf));
+        else
+            top = pow(leaf, 1.0 / e);
+        if (!((double)v <= top))
+            return 0;
+    }
+    return 1;
+}
+
 /* The chunk and row offset that `id` names if it is still held, else -1. */
 static int64_t
 resolve(const PG *g, int64_t id, int64_t *offset, uint64_t *tag)
@@ -364,9 +389,18 @@ update(PyObject *self, PyObject *args)
             ;
         int64_t b = chunk[i] * g.bpc + offs[i] / g.bs;
         int r = raise_tagged(block_word(&g, b, 1), tag, bits);
-        if (r < 0)
+        if (r < 0) {
             chunk[i] = -1;          /* the claim's reset is not done: not ours to set */
-        else if (r > 0)
+            continue;
+        }
+        /* A block whose leaf is exact (every row set) is refreshed even when its max
+         * did not rise here: an updater killed between raising the max and refreshing
+         * the leaf leaves the max above the leaf, and this row must not be written
+         * above a leaf that does not cover it. */
+        uint64_t set = atomic_load_explicit(block_word(&g, b, 0), memory_order_acquire);
+        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.bs) * g.bs;
+        int full = set >> 32 == tag && (int64_t)(set & U32) >= (rows < g.bs ? rows : g.bs);
+        if (r > 0 || (full && !leaves_cover(&g, b, val[i])))
             touched[raised++] = b;
     }
     refresh_up(&g, touched, scratch, raised);
