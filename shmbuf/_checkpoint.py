@@ -360,6 +360,8 @@ def newest_rows(state: dict[str, Any], stream: np.ndarray, ends: np.ndarray,
         kept = np.concatenate([[0], kept]).astype(np.int64)
     state = dict(state, stream=stream[cut:], episode=np.asarray(state["episode"])[cut:],
                  columns={k: np.asarray(v)[cut:] for k, v in state["columns"].items()})
+    if "priorities" in state:
+        state["priorities"] = np.asarray(state["priorities"])[cut:]
     return state, stream[cut:], ends[cut:], kept
 
 

@@ -33,7 +33,8 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
                        chunk_size=manifest["chunk_size"] if same else None,
                        max_writers=min(writers, NO_SLOT - 1),
                        done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
-                       handle_signals=handle_signals, rate_limit=_rate_limit(path, manifest))
+                       handle_signals=handle_signals,
+                       priorities=manifest.get("priorities") is True, rate_limit=_rate_limit(path, manifest))
     state["rate"] = manifest.get("rate")
     try:
         buf.restore(state)

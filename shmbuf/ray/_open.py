@@ -17,9 +17,9 @@ from shmbuf.ray._placement import (DEFAULT_NAMESPACE, alive_nodes, check_name, m
                                    shard_actors, start_shards)
 
 log = logging.getLogger("shmbuf.ray")
-_OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault",
+_OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault", "priorities",
             "remote_idle_s", "rate_limit")
-_PLANNED = ("chunk_size", "max_writers", "done_key", "episode_slots")   # _layout.plan's
+_PLANNED = ("chunk_size", "max_writers", "done_key", "episode_slots", "priorities")   # _layout.plan's
 
 
 def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
@@ -41,7 +41,7 @@ def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,
         seed: seed of this handle's generator (the split and the shards' draws).
         timeout_s: bound on every call to a shard (start, fetch, flush).
         **buffer_options: ``chunk_size``, ``max_writers``, ``done_key``,
-            ``episode_slots``, ``prefault`` of ``shmbuf.create``; and
+            ``episode_slots``, ``prefault``, ``priorities`` of ``shmbuf.create``; and
             ``remote_idle_s`` (600): a shipping writer that sends nothing for
             that long has its shard stream sealed and its writer slot freed
             (a later block opens a new stream, cutting its episode there).
