@@ -89,6 +89,9 @@ def test_a_process_that_missed_the_descriptor_opens_the_pool_through_proc(lender
         assert (third["x"] == 2).all()
         assert _states(conn) == [1, 1, 1, 0]   # 1 was never received: still lent
     else:
-        with pytest.raises(RuntimeError, match=r"cannot open at /proc/\d+/fd/\d+ \(No such file"):
+        # ENOENT for the closed descriptor; ENXIO when the kernel is tearing the
+        # worker's files down at that moment: either way the same clear error.
+        with pytest.raises(RuntimeError, match=r"cannot open at /proc/\d+/fd/\d+ "
+                                               r"\(No such (file|device)"):
             pickle.loads(payloads[2])
         assert _states(conn) == [1, 1, 1, 0]   # the unreadable batch is still lent
