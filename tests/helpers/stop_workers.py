@@ -34,13 +34,21 @@ def write_forever(buf, writer_id: int, episode_len: int = 50) -> None:
         pos += 1
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Script:
     """``python -c code`` with tests/ on the path; lines of its stdout, read with a timeout."""
 
     def __init__(self, code: str, **kw):
         env = dict(os.environ, PYTHONPATH=TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # SIGINT at its default in the child: a shell that starts a job in the
+        # background (`cmd &`) hands it SIGINT ignored, and Python then never
+        # raises KeyboardInterrupt, which the SIGINT tests are about.
         self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     preexec_fn=_default_sigint, **kw)
         self.pid = self.proc.pid
         self._buf = b""
 
@@ -71,10 +79,20 @@ class Script:
             raise AssertionError(f"the script did not exit within {timeout} s "
                                  f"(hung); stderr:\n{self.stderr()}") from None
 
-    def stderr(self) -> str:
+    def stderr(self, timeout: float = TIMEOUT) -> str:
+        """What it wrote to stderr; bounded, since its children may still hold the pipe."""
         if self.proc.poll() is None:
             return "(still running)"
-        return self.proc.stderr.read().decode(errors="replace")
+        out, deadline = b"", time.monotonic() + timeout
+        fd = self.proc.stderr.fileno()
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([fd], [], [], left)[0]:
+                return out.decode(errors="replace") + "\n(stderr still open: a child holds it)"
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            out += chunk
+        return out.decode(errors="replace")
 
     def signal(self, signum: int) -> None:
         os.kill(self.pid, signum)
