@@ -40,14 +40,8 @@ def _import(args):
 
 def run_import(args) -> int:
     """Import, report on stdout, then hold the buffer until a signal or its removal."""
-    try:
-        buf = _import(args)
-    except ImportError as exc:
-        print(f"shmbuf import: {exc}; install the datasets extra: pip install "
-              "'shmbuf[datasets]'", file=sys.stderr)
-        return 1
-    except (ShmbufError, ValueError, KeyError, TypeError, OSError) as exc:
-        print(f"shmbuf import: {exc}", file=sys.stderr)
+    buf = _reported("import", _import, args)
+    if buf is None:
         return 1
     with buf:
         print(f"{buf.name}\t{len(buf)}\t{len(buf.episodes().index)}", flush=True)
@@ -66,25 +60,34 @@ def run_import(args) -> int:
     return 0
 
 
-def run_export(args) -> int:
-    """Write buffer ``args.name`` to ``args.to``."""
+def _export(args) -> int:
     from .. import attach
 
-    try:
-        kind, rest = parse_source(args.to, "--to")
-        from . import to_minari, to_swm_hdf5
+    kind, rest = parse_source(args.to, "--to")
+    from . import to_minari, to_swm_hdf5
 
-        with attach(args.name) as buf:
-            if kind == "minari":
-                n = to_minari(buf, rest).total_episodes
-            else:
-                n = to_swm_hdf5(buf, rest, overwrite=args.overwrite)
-    except ImportError as exc:
-        print(f"shmbuf export: {exc}; install the datasets extra: pip install "
-              "'shmbuf[datasets]'", file=sys.stderr)
-        return 1
-    except (ShmbufError, ValueError, KeyError, TypeError, OSError) as exc:
-        print(f"shmbuf export: {exc}", file=sys.stderr)
+    with attach(args.name) as buf:
+        if kind == "minari":
+            return to_minari(buf, rest).total_episodes
+        return to_swm_hdf5(buf, rest, overwrite=args.overwrite)
+
+
+def run_export(args) -> int:
+    """Write buffer ``args.name`` to ``args.to``."""
+    n = _reported("export", _export, args)
+    if n is None:
         return 1
     print(f"wrote {n} episodes of {args.name} to {args.to}")
     return 0
+
+
+def _reported(verb: str, step, args):
+    """``step(args)``, or None once the reason it failed is on stderr (exit status 1)."""
+    try:
+        return step(args)
+    except ImportError as exc:
+        print(f"shmbuf {verb}: {exc}; install the datasets extra: pip install "
+              "'shmbuf[datasets]'", file=sys.stderr)
+    except (ShmbufError, ValueError, KeyError, TypeError, OSError) as exc:
+        print(f"shmbuf {verb}: {exc}", file=sys.stderr)
+    return None
