@@ -467,7 +467,7 @@ class Ring:
         (``n -> the clock before``), which reserves the numbers by CAS once
         the limiter admits them (``RateWords.take_insert``), waiting if need be.
         """
-        t = atomic.fetch_add(self.mm, _CLOCK, n) if take is None else take(n)
+        t = self._numbers(n, take)
         if n == 1:
             self.clock_rows[row] = t
         else:
@@ -475,9 +475,12 @@ class Ring:
 
     def stamp_rows(self, rows: np.ndarray, take=None) -> None:
         """``stamp`` for scattered rows (one step of every stream of ``add_batch``)."""
-        n = len(rows)
-        t = atomic.fetch_add(self.mm, _CLOCK, n) if take is None else take(n)
+        t = self._numbers(len(rows), take)
         self.clock_rows[rows] = np.arange(t, t + len(rows))
+
+    def _numbers(self, n: int, take) -> int:
+        """The first of ``n`` new clock numbers: a fetch-add, or the limiter's ``take``."""
+        return atomic.fetch_add(self.mm, _CLOCK, n) if take is None else take(n)
 
     # The sums are relaxed loads; the fence orders them before any later load.
     def live_steps(self) -> int:
