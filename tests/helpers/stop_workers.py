@@ -34,8 +34,7 @@ def write_forever(buf, writer_id: int, episode_len: int = 50) -> None:
         pos += 1
 
 
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+_SIGINT_LINE = "import signal as _s; _s.signal(_s.SIGINT, _s.default_int_handler)\n"
 
 
 class Script:
@@ -43,12 +42,12 @@ class Script:
 
     def __init__(self, code: str, **kw):
         env = dict(os.environ, PYTHONPATH=TESTS_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        # SIGINT at its default in the child: a shell that starts a job in the
-        # background (`cmd &`) hands it SIGINT ignored, and Python then never
-        # raises KeyboardInterrupt, which the SIGINT tests are about.
-        self.proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     preexec_fn=_default_sigint, **kw)
+        # SIGINT raises KeyboardInterrupt in the script even when a shell that
+        # started the tests in the background (`cmd &`) handed them SIGINT
+        # ignored.  Set by the script's first line, not by a preexec_fn, which
+        # can deadlock a child forked from a process with threads.
+        self.proc = subprocess.Popen([sys.executable, "-c", _SIGINT_LINE + textwrap.dedent(code)],
+                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
         self.pid = self.proc.pid
         self._buf = b""
 
