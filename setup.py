@@ -5,24 +5,24 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "shmbuf._atomic",
-            sources=["shmbuf/_atomic.c"],
+            "shmbuf.protocol._atomic",
+            sources=["shmbuf/protocol/_atomic.c"],
             include_dirs=[numpy.get_include()],   # the writer's fast path reads ndarrays
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
-            "shmbuf._windows",
-            sources=["shmbuf/_windows.c"],
+            "shmbuf.protocol._window_check",
+            sources=["shmbuf/protocol/_window_check.c"],
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
-            "shmbuf._prio",
-            sources=["shmbuf/_prio.c"],
+            "shmbuf.protocol._prio",
+            sources=["shmbuf/protocol/_prio.c"],
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
-            "shmbuf._exitsig",
-            sources=["shmbuf/_exitsig.c"],
+            "shmbuf.posix._exitsig",
+            sources=["shmbuf/posix/_exitsig.c"],
             extra_compile_args=["-std=c11", "-O2"],
         ),
     ]

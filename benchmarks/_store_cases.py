@@ -14,11 +14,23 @@ import sys
 import time
 
 import numpy as np
-
 from _store_report import Row, summarize
-from _store_workload import (GIB, N_WRITERS, SMALL_SPEC, W1_CAPACITY, W1_SPEC, WAIT_S,
-                             _barrier, _get, _ingest_worker, _queue_producer, _spin_writer,
-                             _w1_rows, children, fill)
+from _store_workload import (
+    GIB,
+    N_WRITERS,
+    SMALL_SPEC,
+    W1_CAPACITY,
+    W1_SPEC,
+    WAIT_S,
+    _barrier,
+    _get,
+    _ingest_worker,
+    _queue_producer,
+    _spin_writer,
+    _w1_rows,
+    children,
+    fill,
+)
 
 
 # -- 1. sampling: shmbuf vs numpy gather, idle and under writes -------------------------

@@ -42,12 +42,25 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _store_report import Row, print_table
+from _store_workload import (
+    EPISODE,
+    N_WRITERS,
+    SHM_DIR,
+    W1_CAPACITY,
+    W1_SPEC,
+    WAIT_S,
+    Tracker,
+    _episode_rows,
+    _w1_rows,
+    _write_add,
+    _write_episodes,
+    _write_rows,
+    children,
+    fill,
+)
 
 import shmbuf
-from _store_report import Row, print_table
-from _store_workload import (EPISODE, N_WRITERS, SHM_DIR, W1_CAPACITY, W1_SPEC, WAIT_S, Tracker,
-                             _episode_rows, _w1_rows, _write_add, _write_episodes, _write_rows,
-                             children, fill)
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_memory.json"
 MADV_POPULATE_READ, MADV_POPULATE_WRITE = 22, 23
@@ -237,6 +250,7 @@ def bench_create_huge(cfg, tracker) -> list[Row]:
 
 def _dreamer_round(size: int, upstream: bool) -> float:
     from bench_dreamer import UpstreamRing
+
     from shmbuf.compat.dreamer import ReplayBuffer
 
     rng = np.random.default_rng(0)

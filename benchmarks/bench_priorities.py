@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 import shmbuf
-from shmbuf import _prioritized
+from shmbuf.sampling import prioritized as _prioritized
 
 SMALL = {"obs": ((16,), np.float32), "done": ((), np.bool_)}
 W1 = {"obs": ((3, 64, 64), np.uint8), "action": ((6,), np.float32),
@@ -109,7 +109,7 @@ def bench_draw(big: int) -> None:
             f()
         t_big, t_small, ratio = paired(draws[big], draws[10_000], 15, 20)
         row(f"P1  choose 50 windows (L=50) among {big:.0e} steps", fmt(t_big), "<= 200 us")
-        row(f"P1s the same among 1e+04 steps", fmt(t_small))
+        row("P1s the same among 1e+04 steps", fmt(t_small))
         row(f"P1g growth {big:.0e} / 1e+04 (median of paired ratios)",
             f"{statistics.median(ratio):9.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]", "<= 4x")
         b = bufs[big]
@@ -143,7 +143,7 @@ def bench_w1_batch(capacity: int) -> None:
         else:   # before shmbuf.select: the same draw through the sample loop's pieces
             def prio():
                 w = _prioritized.draw(buf._finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
-                targets = shmbuf.store._prepare_out(None, buf.spec, (50, 50))
+                targets = shmbuf.store.reads._prepare_out(None, buf.spec, (50, 50))
                 buf._gather(w.rows, np.arange(50), targets, True, 50)
                 assert buf._finder.still_valid(w).all()
         uniform(), prio()
@@ -208,7 +208,7 @@ def bench_torchrl(buf, select, rng) -> None:
             buf.update_priorities(batch["ids"], rng.random((50, 50)))
         else:
             w = _prioritized.draw(buf._finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
-            targets = shmbuf.store._prepare_out(None, buf.spec, (50, 50))
+            targets = shmbuf.store.reads._prepare_out(None, buf.spec, (50, 50))
             buf._gather(w.rows, np.arange(50), targets, True, 50)
             buf.update_priorities(buf._ring.priorities.ids(w.rows), rng.random((50, 50)))
 

@@ -30,11 +30,11 @@ import traceback
 from pathlib import Path
 
 import numpy as np
-
-import shmbuf
 from _store_cases import bench_create, bench_ingest, bench_memory, bench_sampling, bench_scaling
 from _store_report import Row, print_table
 from _store_workload import SHM_DIR, Tracker
+
+import shmbuf
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_store.json"
 

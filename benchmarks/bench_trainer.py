@@ -37,10 +37,10 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-import shmbuf
 from _store_workload import W1_CAPACITY, W1_SPEC, Tracker, _w1_rows, children, fill
 from _trainer_workload import direct_sampler
+
+import shmbuf
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_trainer.json"
 B, L = 50, 50
@@ -147,7 +147,7 @@ def _direct_rate(buf, n_batches: int) -> float:
 def handoff_cost(reps: int = 40) -> dict:
     """The trainer's time to unpickle one W1 batch that a DataLoader worker sent.
 
-    shmbuf's handoff (``shmbuf._handoff``: a few ints; the pool was mapped by
+    shmbuf's handoff (``shmbuf.feed.handoff``: a few ints; the pool was mapped by
     the first batch) against the same batch as torch shared-memory tensors,
     pickled the way a worker's result queue does (``ForkingPickler``: each
     storage's descriptor goes through multiprocessing's resource sharer).
@@ -155,12 +155,12 @@ def handoff_cost(reps: int = 40) -> dict:
     trip is the same as between processes.
     """
     import pickle
+    from multiprocessing.reduction import ForkingPickler
 
     import torch
     import torch.multiprocessing  # noqa: F401 - registers torch's reductions
-    from multiprocessing.reduction import ForkingPickler
 
-    from shmbuf._handoff import SlotPool
+    from shmbuf.feed.handoff import SlotPool
 
     lead = (L, B)
     pool = SlotPool(W1_SPEC, lead)

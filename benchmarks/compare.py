@@ -39,11 +39,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-
-import shmbuf  # noqa: E402
-from _compare import backends as cb, report  # noqa: E402
+from _compare import backends as cb  # noqa: E402
+from _compare import report
 from _compare.base import Workload  # noqa: E402
 from _compare.latency import latency_rows  # noqa: E402
+
+import shmbuf  # noqa: E402
 
 SHM_DIR = "/dev/shm"
 RESULTS = HERE / "results"

@@ -39,7 +39,7 @@ def main():
     parser.add_argument("--loader-workers", type=int, default=1)
     args = parser.parse_args()
 
-    import torch   # the trainer's import only: the spawned env worker never pays for it
+    import torch  # the trainer's import only: the spawned env worker never pays for it
 
     with shmbuf.DiamondReplayBuffer(capacity=1_000, obs_shape=(32, 32, 3), action_dim=2,
                                     seed=0) as rb:

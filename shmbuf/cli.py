@@ -15,11 +15,12 @@ import sys
 import time
 
 from ._errors import CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError
-from ._keyed_ring import KeyWords
-from ._layout import CLOSED_GC, CLOSED_RM, KIND_KEYED
-from ._ring import Ring, closed_word, owner_alive, owner_record
-from .ratelimit import Limiter
-from ._segment import PREFIX, SHM_DIR, Segment, list_segments, unlink
+from .protocol.header import closed_word, owner_alive, owner_record
+from .protocol.keyed import KeyWords
+from .protocol.layout import CLOSED_GC, CLOSED_RM, KIND_KEYED
+from .protocol.ring import Ring
+from .segment.segment import PREFIX, SHM_DIR, Segment, list_segments, unlink
+from .writing.ratelimit import Limiter
 
 
 class _Info:
@@ -142,7 +143,7 @@ def cmd_info(args) -> int:
         print(f"name         {info.name}")
         print(f"kind         {'keyed rings' if info.keyed else 'step store'}")
         print(f"size         {_human(info.segment.size)}")
-        # Pages are reserved as chunks are first claimed (shmbuf._space).
+        # Pages are reserved as chunks are first claimed (shmbuf.posix.space).
         space = info.segment.space
         if space is not None:
             print(f"reserved     {_human(space.reserved_bytes())} of /dev/shm")

@@ -2,7 +2,7 @@
 
 The trainer ``publish``es its weights; every actor reads the newest version
 when it wants to (between episodes, every N steps) with no pipe, no queue
-and no lock.  The block is keyed rings (``shmbuf.keyed``) with one key and
+and no lock.  The block is keyed rings (``shmbuf.keyed.rings``) with one key and
 ``max_len = 1``: a publish is a keyed-ring append (data first, then the
 count with release order), and a read is a keyed-ring read, validated as a
 seqlock against a publish that races it.  So this module adds no protocol
@@ -20,11 +20,13 @@ import json
 
 import numpy as np
 
-from . import _signals, keyed
-from ._cast import _to_numpy, coerce
 from ._errors import CorruptSegmentError, WaitTimeoutError
-from ._handle import Shared
-from ._wait import check_timeout, poll
+from ._registry import register
+from .keyed import rings as keyed
+from .posix import signals as _signals
+from .posix.wait import check_timeout, poll
+from .segment.lifecycle import Shared
+from .writing.cast import _to_numpy, coerce
 
 FACADE = "ParamBlock"
 _ALIGN = 64
@@ -114,6 +116,13 @@ class ParamBlock(Shared):
         except CorruptSegmentError as exc:
             raise CorruptSegmentError(f"segment {name!r} is not a parameter block: {exc}") from None
         return cls(rings)
+
+    @classmethod
+    def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
+                      handle_signals: bool | None = None):
+        """A ParamBlock over an attached keyed segment (the registry's way in)."""
+        return cls(keyed.open_segment(segment, layout, owner, own=own,
+                                      handle_signals=handle_signals, made_by=FACADE))
 
     # -- the trainer's side -------------------------------------------------------
     def publish(self, params: dict) -> int:
@@ -234,3 +243,6 @@ def _plan(template: dict) -> tuple[list, int]:
         table.append([str(pname), arr.dtype.str, list(arr.shape), offset])
         offset += -(-arr.nbytes // _ALIGN) * _ALIGN
     return table, offset
+
+
+register(ParamBlock, FACADE)

@@ -99,7 +99,7 @@ class Recency(Selector):
         object.__setattr__(self, "exponent", _real("Recency", "exponent", self.exponent, 0.0))
 
     def _draw(self, finder, rng, n, length, tail):
-        from . import _recency
+        from .sampling import recency as _recency
 
         return _recency.draw(finder, rng, n, length, tail, self.exponent)
 
@@ -143,7 +143,7 @@ class AgeBuckets(Selector):
         object.__setattr__(self, "weights", checked)
 
     def _draw(self, finder, rng, n, length, tail):
-        from . import _age_buckets
+        from .sampling import age_buckets as _age_buckets
 
         return _age_buckets.draw(finder, rng, n, length, tail, self.weights)
 
@@ -179,12 +179,12 @@ class Prioritized(Selector):
                            _real("Prioritized", "maxfrac", self.maxfrac, 0.0, 1.0))
 
     def _check(self, buffer) -> None:
-        from . import _prioritized
+        from .sampling import prioritized as _prioritized
 
         _prioritized.check(buffer)
 
     def _draw(self, finder, rng, n, length, tail):
-        from . import _prioritized
+        from .sampling import prioritized as _prioritized
 
         return _prioritized.draw(finder, rng, n, length, tail, self.exponent, self.maxfrac)
 
@@ -248,7 +248,7 @@ class Mixture(Selector):
                 s._check(buffer)
 
     def _draw(self, finder, rng, n, length, tail):
-        from .sampling import joined
+        from .sampling.windows import joined
 
         p = np.array(self.fractions)
         counts = rng.multinomial(n, p / p.sum())

@@ -12,16 +12,17 @@ import signal
 
 import numpy as np
 import pytest
-
-import shmbuf
-from shmbuf import _segment, cli
-from shmbuf._layout import CLOSED_OWNER
-from shmbuf._wait import poll
 from helpers import crash_harness
 from helpers.adopters import dead_owner_param_block, rival_adopters
 from helpers.history_workers import dead_owner_history
 from helpers.stop_workers import Script, shm_exists
 from helpers.workers import SPEC, verify_batch
+
+import shmbuf
+from shmbuf import cli
+from shmbuf.posix.wait import poll
+from shmbuf.protocol.layout import CLOSED_OWNER
+from shmbuf.segment import segment as _segment
 
 OWNER = """
     import shmbuf, time

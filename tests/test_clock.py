@@ -8,9 +8,9 @@ import multiprocessing
 
 import numpy as np
 import pytest
+from helpers.workers import SPEC, write_steps
 
 import shmbuf
-from helpers.workers import SPEC, write_steps
 
 TIMEOUT = 60
 

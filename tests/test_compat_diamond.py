@@ -12,14 +12,26 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from helpers.diamond_workers import (
+    CUT_FROM,
+    OBS_SHAPE,
+    A,
+    C,
+    H,
+    W,
+    add_steps,
+    check_items,
+    check_sequences,
+    check_steps,
+    frame,
+    identities,
+    step,
+    write_worker,
+)
 from torch.utils.data import DataLoader, default_collate
 
 import shmbuf
-from helpers.diamond_workers import (A, C, CUT_FROM, H, OBS_SHAPE, W, add_steps, check_items,
-                                     check_sequences, check_steps, frame, identities, step,
-                                     write_worker)
-from shmbuf import BufferClosedError, CorruptSegmentError, NotEnoughDataError, \
-    SegmentNotFoundError
+from shmbuf import BufferClosedError, CorruptSegmentError, NotEnoughDataError, SegmentNotFoundError
 from shmbuf.diamond import ReplayBuffer, SequenceDataset
 
 ITEM_KEYS = {"obs_seq", "action_seq", "actions", "rewards", "dones", "next_obs",

@@ -8,12 +8,17 @@ import pickle
 
 import numpy as np
 import pytest
+from helpers.transition_helpers import (
+    Stream,
+    add_step,
+    report_from_child,
+    run_attacher,
+    run_writers,
+)
+from helpers.workers import step_for, verify_window
 
 import shmbuf
 from shmbuf.compat.dreamer import ReplayBuffer
-from helpers.transition_helpers import (Stream, add_step, report_from_child, run_attacher,
-                                        run_writers)
-from helpers.workers import step_for, verify_window
 
 OBS = (3, 8, 8)
 

@@ -7,14 +7,14 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from helpers.keyed_workers import history_info, history_worker, pixels_for
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from shmbuf import keyed
-from shmbuf._strided import AgeTables, block_ages, contiguous_window, frame_ages
+from shmbuf.compat._strided import AgeTables, block_ages, contiguous_window, frame_ages
 from shmbuf.compat.history import HistoryBuffer, SchemaPendingError
-from helpers.keyed_workers import history_info, history_worker, pixels_for
+from shmbuf.keyed import rings as keyed
 
 SHM = "/dev/shm"
 
@@ -43,6 +43,7 @@ def steps_info(n_envs, t, env_ids=None):
 # -- the documented example, typed out with only the import changed -------------------
 def test_docs_example():
     import numpy as np
+
     from shmbuf.compat.history import HistoryBuffer
 
     # 2 envs, hold up to 5 env steps, return history at frameskip-2 cadence

@@ -11,12 +11,17 @@ import pickle
 
 import numpy as np
 import pytest
+from helpers.transition_helpers import (
+    Stream,
+    add_step,
+    report_from_child,
+    run_attacher,
+    run_writers,
+)
+from helpers.workers import obs_for, step_for, verify_window
 
 import shmbuf
 from shmbuf.compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer, OnPolicyBufferFullError
-from helpers.transition_helpers import (Stream, add_step, report_from_child, run_attacher,
-                                        run_writers)
-from helpers.workers import obs_for, step_for, verify_window
 
 OBS = (3, 8, 8)
 

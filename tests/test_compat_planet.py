@@ -10,10 +10,18 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers.planet_workers import (
+    ACTION_SIZE,
+    OBS_SHAPE,
+    append_episodes,
+    check_batch,
+    episode_length,
+    halve,
+    obs_value,
+    record,
+)
 
 import shmbuf
-from helpers.planet_workers import (ACTION_SIZE, OBS_SHAPE, append_episodes, check_batch,
-                                    episode_length, halve, obs_value, record)
 from shmbuf.compat.planet import Episode, Memory, SampleTooLargeError
 
 
@@ -61,7 +69,7 @@ def chi_square(counts, expected):
 # -- the docs' examples, typed out; only the import changed --------------------------
 
 def test_docs_memory_and_episode_example():
-    from shmbuf.compat.planet import Memory, Episode  # was: from torchwm import Memory, Episode
+    from shmbuf.compat.planet import Episode, Memory  # was: from torchwm import Memory, Episode
 
     C, H, W, action_dim = 3, 8, 8, 4
     obs, action, reward, done = torch.rand(C, H, W), torch.rand(action_dim), 0.5, False

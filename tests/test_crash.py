@@ -1,6 +1,5 @@
 """Crash safety: SIGKILL writers, readers and attachers at random instants."""
 import pytest
-
 from helpers import crash_harness
 
 

@@ -4,12 +4,12 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from helpers.trainer_workers import COUNTER_SPEC, fill_counter
+from helpers.workers import SPEC, episode_steps, verify_window
 from torch.utils.data import DataLoader
 
 import shmbuf
-from helpers.trainer_workers import COUNTER_SPEC, fill_counter
-from helpers.workers import SPEC, episode_steps, verify_window
-from shmbuf._process_rng import WORKER, stream_seed
+from shmbuf.sampling.rng import WORKER, stream_seed
 
 TIMEOUT = 60
 METHODS = ["fork", "spawn", "forkserver"]

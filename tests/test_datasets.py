@@ -18,8 +18,14 @@ pytest.importorskip("jax", reason="Minari's DataCollector needs minari[create] (
 
 from gymnasium import spaces  # noqa: E402
 
-from shmbuf.datasets import (CapacityWarning, DatasetFormatError, from_minari,  # noqa: E402
-                             from_swm_hdf5, to_minari, to_swm_hdf5)
+from shmbuf.datasets import (  # noqa: E402
+    CapacityWarning,
+    DatasetFormatError,
+    from_minari,
+    from_swm_hdf5,
+    to_minari,
+    to_swm_hdf5,
+)
 from shmbuf.gym import UnsupportedSpaceError  # noqa: E402
 
 FIELDS = ("observations", "actions", "rewards", "terminations", "truncations")

@@ -11,10 +11,11 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from helpers.workers import SPEC, episode_steps, extend_until, verify_batch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import shmbuf
-from helpers.workers import SPEC, episode_steps, extend_until, verify_batch
 
 TIMEOUT = 60
 
@@ -303,7 +304,7 @@ def _valid_starts(buf, length, tail):
 def test_starts_word_decides_windows_like_the_ep_column(chunk_size, steps):
     """Every committed start row, every length and tail: the same verdict with the
     starts words as with all of them marked untracked (which makes C read _ep)."""
-    from shmbuf import _layout
+    from shmbuf.protocol import layout as _layout
 
     with shmbuf.create(SPEC, 120, chunk_size=chunk_size) as buf:
         pos = 0
@@ -338,7 +339,7 @@ KILLED_INSIDE_EXTEND = """
     import os, signal, sys
     import numpy as np
     import shmbuf
-    from shmbuf import _ring
+    from shmbuf.protocol import streams as _ring
     buf = shmbuf.attach(sys.argv[1])
     real, published = _ring.Streams.publish_run, []
 

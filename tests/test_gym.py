@@ -18,10 +18,9 @@ from gymnasium.error import ResetNeeded
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers import RecordEpisodeStatistics
 from gymnasium.wrappers.vector import RecordEpisodeStatistics as RecordVectorStatistics
+from helpers.gym_envs import DictActionStepEnv, StepEnv, make_recorded_step_env, make_step_env
 
 import shmbuf
-from helpers.gym_envs import (DictActionStepEnv, StepEnv, make_recorded_step_env,
-                              make_step_env)
 from shmbuf.gym import RecordEpisodes, RecordVectorEpisodes, UnsupportedSpaceError, spec_for
 
 MODES = [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP, AutoresetMode.DISABLED]

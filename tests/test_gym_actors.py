@@ -6,9 +6,9 @@ import pickle
 import gymnasium as gym
 import numpy as np
 import pytest
+from helpers.gym_actors import cartpole_actor, read_versions
 
 import shmbuf
-from helpers.gym_actors import cartpole_actor, read_versions
 from shmbuf.gym import run_actor, spec_for
 from shmbuf.params import ParamBlock
 
@@ -91,7 +91,8 @@ def test_attach_by_name_and_pickle_never_unlink(block):
 def test_a_restarted_trainer_adopts_the_block_and_actors_read_on():
     from helpers.adopters import dead_owner_param_block
     from helpers.stop_workers import shm_exists
-    from shmbuf import _segment
+
+    from shmbuf.segment import segment as _segment
 
     name = dead_owner_param_block()
     try:

@@ -1,11 +1,10 @@
-"""DataLoader batches handed over through a worker's reused memory (shmbuf._handoff)."""
+"""DataLoader batches handed over through a worker's reused memory (shmbuf.feed.handoff)."""
 import gc
 import multiprocessing as mp
 import pickle
 
 import pytest
 import torch
-
 from helpers.handoff_workers import LEAD, lend_batches
 
 TIMEOUT = 60
@@ -69,7 +68,7 @@ def test_a_batch_of_a_worker_that_exited_is_a_clear_error(lender):
     proc.join(TIMEOUT)
     assert proc.exitcode == 0
     assert (first["x"] == 0).all()         # the mapping outlives the worker
-    from shmbuf import _handoff
+    from shmbuf.feed import handoff as _handoff
 
     _handoff._mapped.clear()               # a process that never mapped this pool
     with pytest.raises(RuntimeError, match=r"worker pid \d+.*(exited|cannot open)"):
@@ -81,7 +80,7 @@ def test_a_process_that_missed_the_descriptor_opens_the_pool_through_proc(lender
     conn, payloads, _, kept = lender
     first = pickle.loads(payloads[0])   # takes the descriptor, as the trainer does
     assert (first["x"] == 0).all()
-    from shmbuf import _handoff
+    from shmbuf.feed import handoff as _handoff
 
     _handoff._mapped.clear()    # now like a process that never saw the first batch
     if kept:

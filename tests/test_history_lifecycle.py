@@ -16,26 +16,36 @@ import signal
 import numpy as np
 import pytest
 import torch
-
-import shmbuf
-from shmbuf import _keyed_saving, _ring, _signals, cli, keyed
-from shmbuf._layout import CLOSED_OWNER
-from shmbuf._segment import _mark_closed
-from shmbuf._segment import unlink as unlink_segment
-from shmbuf.compat.history import HistoryBuffer
-from shmbuf.params import ParamBlock
-from shmbuf._wait import poll
-from helpers.history_workers import (SPEC, attach_until_closed, check_entries, check_saved,
-                                     dead_owner_history, until_closed)
+from helpers.history_workers import (
+    SPEC,
+    attach_until_closed,
+    check_entries,
+    check_saved,
+    dead_owner_history,
+    until_closed,
+)
 from helpers.keyed_workers import history_info, history_worker
 from helpers.stop_workers import TIMEOUT, shm_exists
+
+import shmbuf
+from shmbuf import cli
+from shmbuf.compat.history import HistoryBuffer
+from shmbuf.disk import keyed_save as _keyed_saving
+from shmbuf.keyed import rings as keyed
+from shmbuf.params import ParamBlock
+from shmbuf.posix import signals as _signals
+from shmbuf.posix.wait import poll
+from shmbuf.protocol import header as _header
+from shmbuf.protocol.layout import CLOSED_OWNER
+from shmbuf.segment.segment import _mark_closed
+from shmbuf.segment.segment import unlink as unlink_segment
 
 OTHER_PID = 1  # a closer that is not this process (init never closes anything of ours)
 
 
 def closed_by_another_process(segment_holder) -> None:
     """Set the closed mark as an owner in another process would (the name stays)."""
-    assert _ring.mark_closed(segment_holder._segment.mmap, CLOSED_OWNER, OTHER_PID)
+    assert _header.mark_closed(segment_holder._segment.mmap, CLOSED_OWNER, OTHER_PID)
 
 
 def receive(conn, timeout: float = TIMEOUT):

@@ -39,6 +39,16 @@ def _resolve(module: str, is_pkg: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _runtime_nodes(tree):
+    """Every node but the bodies of ``if TYPE_CHECKING:`` (annotations only: never imported)."""
+    skip = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING",
+                                                                   "typing.TYPE_CHECKING"):
+            skip.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return [n for n in ast.walk(tree) if id(n) not in skip]
+
+
 def import_graph() -> dict[str, set[str]]:
     """``{module: modules of shmbuf it imports}``; ``from . import x`` counts as ``x``."""
     mods = _modules()
@@ -49,7 +59,7 @@ def import_graph() -> dict[str, set[str]]:
         is_pkg = path.endswith("__init__.py")
         with open(path) as fh:
             tree = ast.parse(fh.read(), path)
-        for node in ast.walk(tree):
+        for node in _runtime_nodes(tree):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -96,7 +106,7 @@ def test_the_package_has_no_import_cycle():
 
 
 def test_the_core_never_imports_compat():
-    # Facades register themselves with the core (shmbuf._facades); the core
+    # Facades register themselves with the core (shmbuf._registry); the core
     # never names them.  Outside compat/ only these may: the package root
     # re-exports them (shmbuf.ReplayBuffer, ...), shmbuf.diamond is the alias
     # of DIAMOND's module names, and shmbuf.ray.dreamer is Dreamer's facade
@@ -112,7 +122,60 @@ def test_the_graph_reader_sees_lazy_and_relative_imports():
     # A check that cannot fail proves nothing: the reader must see the edges
     # that the two tests above rely on.
     graph = import_graph()
-    assert "shmbuf._ring" in graph["shmbuf.writer"]
+    assert "shmbuf.protocol.ring" in graph["shmbuf.writing.writer"]
     assert "shmbuf.compat._base" in graph["shmbuf.compat.dreamer"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The layers, lowest first.  A module may import its own layer and the ones
+# below, never one above; docs/design.md ("Where things live") says what each holds.
+LAYERS = [
+    ("base", ["shmbuf._errors", "shmbuf._args", "shmbuf._registry"]),
+    ("posix", ["shmbuf.posix"]),
+    ("protocol", ["shmbuf.protocol"]),
+    ("segment", ["shmbuf.segment"]),
+    ("sampling", ["shmbuf.sampling", "shmbuf.select"]),
+    ("writing", ["shmbuf.writing"]),
+    ("disk and feed", ["shmbuf.disk", "shmbuf.feed"]),
+    ("stores", ["shmbuf.store", "shmbuf.keyed", "shmbuf.params"]),
+    ("opening", ["shmbuf._open"]),
+    ("facades", ["shmbuf.compat", "shmbuf.diamond", "shmbuf"]),
+    ("ecosystem", ["shmbuf.gym", "shmbuf.ray", "shmbuf.datasets"]),
+    ("command line", ["shmbuf.cli", "shmbuf.__main__"]),
+]
+
+
+def layer_of(module: str) -> int:
+    """The index in LAYERS of the longest prefix that names ``module``'s layer."""
+    best, found = -1, None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, found = len(p), i
+    assert found is not None, f"{module} is in no layer: add it to LAYERS"
+    return found
+
+
+def test_every_module_has_a_layer():
+    for module in import_graph():
+        layer_of(module)
+
+
+def test_no_layer_imports_a_higher_one():
+    upward = sorted(f"{m} ({LAYERS[layer_of(m)][0]}) -> {t} ({LAYERS[layer_of(t)][0]})"
+                    for m, targets in import_graph().items() for t in targets
+                    if layer_of(t) > layer_of(m)
+                    and not (m == "shmbuf.ray.dreamer" and t.startswith("shmbuf.compat")))
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert layer_of("shmbuf.protocol.ring") < layer_of("shmbuf.store.buffer")
+    assert layer_of("shmbuf.compat.dreamer") > layer_of("shmbuf._open")
+    assert layer_of("shmbuf") == layer_of("shmbuf.compat")   # the root re-exports the facades
+
+
+def test_at_most_a_dozen_modules_at_the_top():
+    top = sorted(f for f in os.listdir(PKG_DIR) if f.endswith(".py"))
+    assert len(top) <= 12, top

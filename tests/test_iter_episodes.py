@@ -2,10 +2,10 @@
 request; consistent under concurrent writes (skipped or whole, never torn)."""
 import numpy as np
 import pytest
-
-import shmbuf
 from helpers.trainer_workers import Writers
 from helpers.workers import SPEC, episode_steps, verify_window
+
+import shmbuf
 
 
 def _check(ep):

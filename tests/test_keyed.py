@@ -7,12 +7,14 @@ import pickle
 import numpy as np
 import posix_ipc
 import pytest
+from helpers.keyed_workers import WIDE, code, keyed_writer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from shmbuf import _keyed_ring, _layout, keyed
-from helpers.keyed_workers import WIDE, code, keyed_writer
+from shmbuf.keyed import rings as keyed
+from shmbuf.protocol import keyed as _keyed_ring
+from shmbuf.protocol import layout as _layout
 
 SHM = "/dev/shm"
 SPEC = {"x": ((2,), np.int64), "tag": ((), "<U4")}
@@ -131,7 +133,7 @@ def test_columns_read_their_slice_of_the_ages_and_bad_ones_are_refused(rings):
 
 def test_the_copy_never_reads_outside_a_column():
     """keyed_take checks every row before it copies: a corrupt base is an error, not a crash."""
-    from shmbuf import _atomic
+    from shmbuf.protocol import _atomic
 
     with keyed.create(SPEC, n_keys=2, max_len=4, spare=1) as r:
         fill(r, 0, 3)

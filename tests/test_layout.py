@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from shmbuf import _layout as L
 from shmbuf._errors import CorruptSegmentError, LayoutVersionError
+from shmbuf.protocol import layout as L
 
 # Deterministic: the same examples on every run and on every machine.  The fuzzers
 # skip shrinking so that a failure is reported in seconds; their inputs are small
@@ -761,7 +761,7 @@ def test_boundary_arguments_are_accepted():
 
 
 # -- one owner for the protocol ---------------------------------------------------
-PROTOCOL_MODULES = {"_ring", "_keyed_ring"}  # the step store's, and the keyed rings'
+PROTOCOL_PACKAGE = "protocol/"  # the one package that loads and stores shared words
 
 
 def _imports_of(path):
@@ -782,14 +782,15 @@ def test_only_the_protocol_modules_import_atomic():
 
     root = pathlib.Path(shmbuf.__file__).parent
     users = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.py")
-             if any(name in ("_atomic", "shmbuf._atomic") for name in _imports_of(p))}
-    assert users <= PROTOCOL_MODULES, f"{sorted(users - PROTOCOL_MODULES)} import _atomic"
-    assert "_ring" in users
+             if any(name in ("_atomic", "shmbuf.protocol._atomic") or name.endswith("._atomic") for name in _imports_of(p))}
+    outside = sorted(u for u in users if not u.startswith(PROTOCOL_PACKAGE))
+    assert outside == [], f"{outside} import _atomic"
+    assert "protocol/ring" in users and "protocol/keyed" in users
 
 
 def test_c_reads_the_chunk_fields_that_layout_defines():
-    from shmbuf import _windows
-    from shmbuf._ring import Ring
+    from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol.ring import Ring
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
@@ -802,8 +803,8 @@ def test_c_reads_the_chunk_fields_that_layout_defines():
 
 
 def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
-    from shmbuf import _windows
-    from shmbuf._ring import Ring
+    from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol.ring import Ring
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)

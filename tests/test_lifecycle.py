@@ -24,10 +24,10 @@ import weakref
 import numpy as np
 import posix_ipc
 import pytest
+from helpers.workers import SPEC, step_for, verify_batch, write_steps
 
 import shmbuf
-from shmbuf import _layout as L
-from helpers.workers import SPEC, step_for, verify_batch, write_steps
+from shmbuf.protocol import layout as L
 
 SHM = "/dev/shm"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -600,8 +600,8 @@ def test_tensors_share_memory_with_arrays(make_buffer):
 
 
 # -- one lifecycle for every kind: store, keyed rings, facades, HistoryBuffer ---------------
-from shmbuf import keyed  # noqa: E402
-from shmbuf._segment import Segment  # noqa: E402
+from shmbuf.keyed import rings as keyed  # noqa: E402
+from shmbuf.segment.segment import Segment  # noqa: E402
 
 FRAME = (1, 2, 2)
 
@@ -643,7 +643,7 @@ def kind(request):
 
 
 def test_every_kind_shares_the_lifecycle_base():
-    from shmbuf._handle import Shared
+    from shmbuf.segment.lifecycle import Shared
 
     for factory, _ in KINDS.values():
         obj = factory()

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import shmbuf
-from shmbuf import _layout as L
 from shmbuf.cli import main as cli_main
+from shmbuf.protocol import layout as L
 from shmbuf.select import AgeBuckets, Recency
 
 SHM = "/dev/shm"

@@ -13,10 +13,17 @@ import time
 import multiprocess
 import numpy as np
 import pytest
+from helpers.workers import (
+    SPEC,
+    add_with_inherited_writer,
+    episode_steps,
+    verify_batch,
+    write_batches_until,
+    write_steps,
+    write_until,
+)
 
 import shmbuf
-from helpers.workers import (SPEC, add_with_inherited_writer, episode_steps, verify_batch,
-                             write_batches_until, write_steps, write_until)
 
 pytestmark = pytest.mark.slow
 

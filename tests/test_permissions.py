@@ -44,7 +44,7 @@ def test_other_user_cannot_attach(make_buffer):
 
 
 def test_import_refuses_a_platform_without_dev_shm(tmp_path):
-    from shmbuf._segment import check_platform
+    from shmbuf.segment.segment import check_platform
 
     check_platform("linux", "/dev/shm")
     with pytest.raises(ImportError, match="needs Linux.*'darwin'"):

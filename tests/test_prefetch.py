@@ -5,11 +5,11 @@ import gc
 import numpy as np
 import pytest
 import torch
-
-import shmbuf
 from helpers.trainer_workers import COUNTER_SPEC, fill_counter
 from helpers.workers import SPEC, episode_steps, verify_window
-from shmbuf._wait import poll
+
+import shmbuf
+from shmbuf.posix.wait import poll
 
 TIMEOUT = 60
 cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -2,19 +2,17 @@
 import multiprocessing as mp
 import os
 import signal
-import tempfile
 
 import numpy as np
 import pytest
 import torch
+from helpers.priority_workers import draw_starts, update_forever
 
 import shmbuf
-from shmbuf import _prioritized
-from shmbuf.select import Prioritized
 from shmbuf._errors import NotEnoughDataError
-from shmbuf._layout import TREE_EXPONENTS
-
-from helpers.priority_workers import draw_starts, update_forever
+from shmbuf.protocol.layout import TREE_EXPONENTS
+from shmbuf.sampling import prioritized as _prioritized
+from shmbuf.select import Prioritized
 
 SPEC = {"x": ((), np.float32), "done": ((), np.bool_)}
 EPISODE = 37   # steps per episode: windows may not cross its ends

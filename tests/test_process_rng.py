@@ -10,10 +10,10 @@ import multiprocessing as mp
 import multiprocess
 import numpy as np
 import pytest
+from helpers.trainer_workers import COUNTER_SPEC, draw_steps, draw_steps_pool, fill_counter
 
 import shmbuf
-from helpers.trainer_workers import COUNTER_SPEC, draw_steps, draw_steps_pool, fill_counter
-from shmbuf._process_rng import CHILD, ProcessRandom, stream_seed
+from shmbuf.sampling.rng import CHILD, ProcessRandom, stream_seed
 
 METHODS = ["fork", "spawn", "forkserver"]
 TIMEOUT = 60

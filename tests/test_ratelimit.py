@@ -1,20 +1,19 @@
 """The rate limiter: a train ratio held in the segment, for every process that adds or samples.
 
 The single-process tests compare every admission with a pure-Python model
-of the rules (shmbuf.ratelimit's docstring); the others use real processes
+of the rules (shmbuf.writing.ratelimit's docstring); the others use real processes
 (``python -c`` scripts), real SIGKILLs and real adoption.
 """
 import math
 import os
-import signal
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shmbuf
 from shmbuf import RateLimit, WaitTimeoutError
-from helpers.stop_workers import Script
 
 SPEC = {"x": ((), np.int64), "done": ((), np.bool_)}
 SLOW = pytest.mark.slow

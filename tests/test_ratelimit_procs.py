@@ -3,17 +3,16 @@
 Writers and trainers are real programs (``python -c``), stopped by real
 SIGKILLs; every wait has a timeout and every child is killed in ``finally``.
 """
-import os
 import signal
 
 import numpy as np
 import pytest
 import torch
+from helpers.stop_workers import Script
 
 import shmbuf
 from shmbuf import RateLimit, WaitTimeoutError
-from shmbuf._wait import poll
-from helpers.stop_workers import Script
+from shmbuf.posix.wait import poll
 
 pytestmark = pytest.mark.slow
 SPEC = {"x": ((), np.int64), "done": ((), np.bool_)}
@@ -123,7 +122,7 @@ def test_writers_go_on_once_an_adopter_samples(make_buffer):
         if adopted is not None:
             adopted.close()                          # unlinks: the writer stops
         else:
-            shmbuf._segment.unlink(name)
+            shmbuf.segment.segment.unlink(name)
         if w is not None:
             assert w.wait() == 0
             w.close()

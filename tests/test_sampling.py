@@ -14,11 +14,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers.workers import SPEC, EnvCursor, batch_step, step_for, verify_batch, write_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shmbuf
-from helpers.workers import SPEC, EnvCursor, batch_step, step_for, verify_batch, write_batches
 
 TORCH_DTYPES = {np.dtype(np.uint8): torch.uint8, np.dtype(np.float32): torch.float32,
                 np.dtype(np.bool_): torch.bool}
@@ -547,8 +547,8 @@ def test_end_episode_env_cuts_one_stream(make_buffer):
 #
 # A hook counts the sampler's loads from shared memory and runs a writer action
 # right before the k-th one, as if the trainer had been preempted there.  It sees
-# the calls into shmbuf._atomic through a profile hook, and the loads inside the
-# C window check (shmbuf._windows) through that module's preempt argument.
+# the calls into shmbuf.protocol._atomic through a profile hook, and the loads inside the
+# C window check (shmbuf.protocol._window_check) through that module's preempt argument.
 # Running k = 0, 1, 2, ... until the hook no longer fires explores every such
 # point of one sample_sequences call, deterministically and in one process.
 
@@ -559,7 +559,7 @@ class _Preempt:
 
     def __call__(self, frame=None, event="c_call", arg=None):
         if event != "c_call" or (arg is not None
-                                 and getattr(arg, "__module__", None) != "shmbuf._atomic"):
+                                 and getattr(arg, "__module__", None) != "shmbuf.protocol._atomic"):
             return
         if self.calls == self.k:
             self.fired = True
@@ -677,7 +677,7 @@ def test_sampler_survives_a_scribbled_chunk_table(scribbles):
 
 
 def test_window_check_rejects_arguments_that_do_not_fit(make_buffer):
-    from shmbuf import _windows
+    from shmbuf.protocol import _window_check as _windows
     buf = make_buffer(SPEC, 64, chunk_size=4)
     mm, geometry = buf._segment.mmap, buf._finder.geometry
     picked = np.empty(4, np.int64)

@@ -7,11 +7,11 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
-import shmbuf
-from shmbuf import _saving
 from helpers.stop_workers import Script
 from helpers.workers import SPEC, obs_for, step_for, verify_batch
+
+import shmbuf
+from shmbuf.disk import save as _saving
 
 
 def fill(buf, streams=3, steps=150, cut_every=None, episode_len=20):

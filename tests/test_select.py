@@ -10,11 +10,11 @@ import multiprocessing
 
 import numpy as np
 import pytest
+from helpers.select_workers import SPEC, draw_starts, fill
+from helpers.stats import chi2_pvalue
 
 import shmbuf
 from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
-from helpers.select_workers import SPEC, draw_starts, fill
-from helpers.stats import chi2_pvalue
 
 LENGTH = 6
 P_MIN = 1e-3   # fixed seeds: a pass is reproducible, and a wrong formula fails far below this

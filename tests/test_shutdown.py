@@ -13,12 +13,14 @@ import sys
 
 import numpy as np
 import pytest
-
-import shmbuf
-from shmbuf import _ring, _segment, cli
-from shmbuf._layout import CLOSED_OWNER
 from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
 from helpers.workers import SPEC, step_for, verify_batch
+
+import shmbuf
+from shmbuf import cli
+from shmbuf.protocol import header as _header
+from shmbuf.protocol.layout import CLOSED_OWNER
+from shmbuf.segment import segment as _segment
 
 WORKER = """
     import json, sys
@@ -179,9 +181,9 @@ def test_samplers_waiters_and_attachers_learn_it(make_buffer):
     try:
         # As if another process had closed it (pid 1 is never us): marked, name still there.
         with _raw(buf.name) as mm:
-            from shmbuf import _ring
-            assert _ring.mark_closed(mm, CLOSED_OWNER, 1)
-            assert not _ring.mark_closed(mm, CLOSED_OWNER, 2)  # the first closer stays
+            from shmbuf.protocol import header as _header
+            assert _header.mark_closed(mm, CLOSED_OWNER, 1)
+            assert not _header.mark_closed(mm, CLOSED_OWNER, 2)  # the first closer stays
         for call in (lambda: other.sample_sequences(2, 2), lambda: other.sample_steps(2),
                      lambda: other.wait_ready(1, timeout=5), other.writer,
                      lambda: shmbuf.attach(buf.name)):
@@ -259,7 +261,7 @@ def test_rm_force_while_create_writes_its_header_is_noticed(monkeypatch, when):
     # The window of a large create: the name exists, the header is not (or only just)
     # published.  create must not return a buffer that nobody can attach to.
     name = f"shmbuf-test-rm-during-create-{os.getpid()}"
-    real = _ring.publish_header
+    real = _header.publish_header
 
     def publish(mm, header):
         if when == "before":
@@ -268,7 +270,7 @@ def test_rm_force_while_create_writes_its_header_is_noticed(monkeypatch, when):
         if when == "after":
             _rm_force(name)
 
-    monkeypatch.setattr(_ring, "publish_header", publish)
+    monkeypatch.setattr(_header, "publish_header", publish)
     with pytest.raises(shmbuf.SegmentNotFoundError, match="removed while it was being created"):
         shmbuf.create(SPEC, 256, name=name)
     monkeypatch.undo()
@@ -318,7 +320,7 @@ def test_marking_leaves_foreign_and_missing_segments_alone(make_buffer):
 TRAINER = """
     import json, multiprocessing as mp, os
     import shmbuf
-    from shmbuf._wait import poll
+    from shmbuf.posix.wait import poll
     from helpers.stop_workers import write_forever
     from helpers.workers import SPEC, verify_batch
 

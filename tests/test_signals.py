@@ -9,11 +9,12 @@ import textwrap
 import threading
 
 import pytest
-
-import shmbuf
-from shmbuf import _signals, cli
 from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
 from helpers.workers import SPEC
+
+import shmbuf
+from shmbuf import cli
+from shmbuf.posix import signals as _signals
 
 pytestmark = pytest.mark.slow
 

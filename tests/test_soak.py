@@ -1,6 +1,5 @@
 """A bounded soak; the figures are printed (run pytest with -s), never asserted as timings."""
 import pytest
-
 from helpers import soak
 
 

@@ -6,10 +6,10 @@ import sys
 import numpy as np
 import pytest
 import torch
-
-import shmbuf
 from helpers.trainer_workers import Writers
 from helpers.workers import SPEC, episode_steps, obs_for, verify_batch
+
+import shmbuf
 
 
 def _fill(buf, writers=2, steps=700, episode_len=37, cut_every=0):
@@ -172,7 +172,7 @@ def test_a_chunk_recycled_while_copied_is_left_out_and_splits_its_stream(make_bu
 
 def test_stream_ids_split_a_stream_where_its_chunks_do_not_link():
     """The one rule state_dict and save both split streams by (``_checkpoint.StreamIds``)."""
-    from shmbuf._checkpoint import StreamIds
+    from shmbuf.disk.checkpoint import StreamIds
 
     ids = StreamIds(first_gap_id=100)
     assert ids.of(7, chunk=3, seq=10, next_chunk=5, next_seq=12) == 7   # a stream's first chunk

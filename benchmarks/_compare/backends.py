@@ -7,10 +7,11 @@ import os
 import time
 
 import numpy as np
+from _store_workload import EPISODE, _w1_rows
+from _store_workload import fill as shm_fill
+from bench_dreamer import UpstreamRing
 
 import shmbuf
-from bench_dreamer import UpstreamRing
-from _store_workload import EPISODE, _w1_rows, fill as shm_fill
 
 from .base import Backend, NotApplicable, Unavailable, columns, time_major_rows
 from .history import AB, MAX_LEN, N_ENVS, STEPS, SeedDeque, ShmbufHistory, infos

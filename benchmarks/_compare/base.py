@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
 from _store_workload import EPISODE, W1_SPEC, _w1_rows
 
 from .pool import WriterPool

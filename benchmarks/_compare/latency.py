@@ -14,8 +14,8 @@ import os
 import time
 
 import numpy as np
-
 from _store_workload import _w1_rows, _write_add, touch_mapping
+
 from .pool import collect, stop_children
 from .report import failure, figure
 

@@ -30,7 +30,7 @@ def _sleep_until(t: float) -> None:
 
 
 def _child(kind: str, handle, wid: int, commands, results) -> None:
-    from .writers import WRITERS   # imported here, where the spawn child runs
+    from .writers import WRITERS  # imported here, where the spawn child runs
 
     writer = None
     try:

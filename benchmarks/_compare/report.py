@@ -12,8 +12,8 @@ import statistics
 import traceback
 
 from .backends import BACKENDS, ORDER
-from .history import AB, N_ENVS
 from .base import NotApplicable, Unavailable
+from .history import AB, N_ENVS
 
 LABELS = {c.key: c.label for c in BACKENDS}
 PEERS = ("queue", "cpprb", "torchrl", "seed_ring")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 
 import numpy as np
-
 from _store_workload import EPISODE, _w1_rows, _write_add, _write_rows, touch_mapping
 
 BATCH_ROWS = 16

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _loading, _saving, store
+from .. import _open
 from .._errors import CorruptSaveError, CorruptSegmentError
-from .._facades import register  # noqa: F401  # the facades' decorator, re-exported
-from .._handle import Shared
+from .._registry import register  # noqa: F401  # the facades' decorator, re-exported
+from ..disk import save as _saving
+from ..segment.lifecycle import Shared
+from ..store import buffer as store
 
 
 def to_torch(value):
@@ -118,7 +120,14 @@ class Facade(Shared):
             raise CorruptSaveError(
                 f"{str(path)!r} was saved by {_saving.saved_by(manifest)}, not by "
                 f"{cls.__name__}; load it with the matching class or shmbuf.load")
-        return _loading.load(path, name, capacity, seed=seed, handle_signals=handle_signals)
+        return _open.load_steps(path, name, capacity, seed=seed, handle_signals=handle_signals)
+
+    @classmethod
+    def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
+                      handle_signals: bool | None = None):
+        """This facade over an attached step-store segment (the registry's way in)."""
+        return cls._from_buffer(store.Buffer._open_segment(
+            segment, layout, owner, seed=seed, own=own, handle_signals=handle_signals))
 
     @classmethod
     def _from_buffer(cls, buffer):

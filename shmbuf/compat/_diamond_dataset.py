@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
-from .._process_rng import ProcessRandom
+from ..sampling.rng import ProcessRandom
 from .diamond import ReplayBuffer, _actions, _frames, _values
 
 
@@ -20,7 +20,7 @@ class SequenceDataset:
     buffer at that moment; the index only counts draws.  DataLoader workers
     read the live shared buffer (a spawned one attaches by name, a forked one
     shares the mapping), so steps added after the loader started show up.
-    Each process draws its own random stream (``shmbuf._process_rng``):
+    Each process draws its own random stream (``shmbuf.sampling.rng``):
     workers never repeat each other or the main process, and with ``seed`` a
     loader repeats itself when torch is seeded.
 
@@ -66,7 +66,7 @@ class SequenceDataset:
         self.epoch_length = None if epoch_length is None else check_int("epoch_length",
                                                                          epoch_length, 0)
         self.seed = None if seed is None else check_int("seed", seed, 0)
-        # One stream per process (shmbuf._process_rng): the owner, each DataLoader
+        # One stream per process (shmbuf.sampling.rng): the owner, each DataLoader
         # worker (by id and the loader's seed) and any other child draw their own.
         self._random = ProcessRandom(self.seed, replay_buffer.buffer._owner_pid,
                                      replay_buffer.name)  # type: ignore[arg-type]  # open: named

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._strided import AgeTables
+from ._strided import AgeTables
 
 
 class Layout:

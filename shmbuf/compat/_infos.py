@@ -13,8 +13,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._cast import coerce
-from .._layout import validate_shape
+from ..protocol.layout import validate_shape
+from ..writing.cast import coerce
 
 # Characters (or bytes) of a string key inferred from shorter values.  A shared
 # column has one fixed width, so a later, longer string cannot widen it in place;

@@ -15,8 +15,8 @@ from typing import NoReturn, overload
 
 import numpy as np
 
-from .._cast import coerce
-from .._checkpoint import FORMAT
+from ..disk.checkpoint import FORMAT
+from ..writing.cast import coerce
 
 
 class Episode:

@@ -49,9 +49,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._base import Facade, register
 from .._args import check_int
 from .._errors import NotEnoughDataError
+from ._base import Facade, register
 from ._transitions import age_buckets, check_shape
 
 _ACTION_KINDS = "iuf"

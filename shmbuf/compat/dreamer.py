@@ -24,13 +24,12 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .._errors import NotEnoughDataError
-from ..ratelimit import RateLimit
-from ._base import register
 from .._args import check_int
+from .._errors import NotEnoughDataError
+from ..writing.ratelimit import RateLimit
 from . import _torch_batches
-from ._transitions import TransitionFacade, check_window, transition_params, \
-    transition_spec
+from ._base import register
+from ._transitions import TransitionFacade, check_window, transition_params, transition_spec
 
 
 @register

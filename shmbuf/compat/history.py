@@ -1,6 +1,6 @@
 """Drop-in for ``stable_worldmodel.buffer.HistoryBuffer``, in shared memory.
 
-Each env is one key of ``shmbuf.keyed`` rings: it keeps its own last
+Each env is one key of ``shmbuf.keyed.rings`` rings: it keeps its own last
 ``max_len`` entries whatever the other envs do, workers append their own
 envs from other processes, and ``get`` is one vectorised gather, validated
 against concurrent appends.  See ``HistoryBuffer`` for the contract and the
@@ -12,17 +12,24 @@ import functools
 
 import numpy as np
 
-from .. import _keyed_saving, _signals, keyed
 from .._args import check_int
-from .._errors import (BufferClosedError, CorruptSegmentError, SchemaPendingError,
-                       SegmentNotFoundError)
-from .._handle import Shared
-from .._process_rng import ProcessRandom
-from .._saving import _bad as _bad_save
-from .._segment import Reservation, generate_name
-from .._strided import contiguous_window
+from .._errors import (
+    BufferClosedError,
+    CorruptSegmentError,
+    SchemaPendingError,
+    SegmentNotFoundError,
+)
+from .._registry import register
+from ..disk import keyed_save as _keyed_saving
+from ..disk.save import _bad as _bad_save
+from ..keyed import rings as keyed
+from ..posix import signals as _signals
+from ..sampling.rng import ProcessRandom
+from ..segment.lifecycle import Shared
+from ..segment.segment import Reservation, generate_name
 from . import _history_out, _infos
 from ._base import to_numpy
+from ._strided import contiguous_window
 
 
 class HistoryBuffer(Shared):
@@ -84,14 +91,14 @@ class HistoryBuffer(Shared):
         spec: optional ``{key: (per-env per-step shape, dtype)}``; a torch
             dtype makes ``get`` return torch tensors for that key.
         seed: seed of ``rng``, this process's ``np.random.Generator`` (each
-            process its own, see ``shmbuf._process_rng``); nothing here is
+            process its own, see ``shmbuf.sampling.rng``); nothing here is
             random, it exists for uniformity with the others.
         name: segment name; generated if None.
         handle_signals: None (default): install shmbuf's SIGTERM handler if
             this is the main thread and SIGTERM has its default action, so
             that SIGTERM unlinks the buffer and then ends the process by
             SIGTERM; True: also chain a handler already in place; False:
-            install nothing.  As ``shmbuf.create``; details: ``shmbuf._signals``.
+            install nothing.  As ``shmbuf.create``; details: ``shmbuf.posix.signals``.
 
     Raises:
         ValueError / TypeError: a bad argument (the message names it).
@@ -370,6 +377,14 @@ class HistoryBuffer(Shared):
         return self
 
     @classmethod
+    def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
+                      handle_signals: bool | None = None):
+        """A HistoryBuffer over an attached keyed segment (the registry's way in)."""
+        return cls._from_rings(keyed.open_segment(segment, layout, owner, own=own,
+                                                  handle_signals=handle_signals,
+                                                  made_by=cls.KIND_NAME))
+
+    @classmethod
     def _from_rings(cls, rings, params: dict | None = None) -> "HistoryBuffer":
         """A handle on attached (or adopted) ``rings``, with their or (checked) ``params``."""
         self = cls._handle(rings.name, params, rings.owner)
@@ -457,7 +472,7 @@ class HistoryBuffer(Shared):
 
         The format (one ``.npy`` per key, ``_lengths.npy``, a JSON manifest;
         readable and mmap-able with numpy alone) is described in
-        ``shmbuf._keyed_saving``.  Envs are copied a group at a time, each
+        ``shmbuf.disk.keyed_save``.  Envs are copied a group at a time, each
         validated against concurrent appends, so no torn entry is saved and
         at most ``_keyed_saving.GROUP_BYTES`` of entries (or one env's
         ``max_len``) are held in memory.  ``HistoryBuffer.load`` (or
@@ -556,3 +571,6 @@ def _rebuild(name: str, params: dict) -> HistoryBuffer:
     if rings is None:
         return HistoryBuffer._handle(name, params)
     return HistoryBuffer._from_rings(rings, params)
+
+
+register(HistoryBuffer, HistoryBuffer.KIND_NAME)

@@ -31,12 +31,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._errors import NotEnoughDataError, OnPolicyBufferFullError
-from ._base import register
 from .._args import check_int
+from .._errors import NotEnoughDataError, OnPolicyBufferFullError
 from . import _torch_batches
-from ._transitions import TransitionFacade, age_buckets, check_window, transition_params, \
-    transition_spec
+from ._base import register
+from ._transitions import (
+    TransitionFacade,
+    age_buckets,
+    check_window,
+    transition_params,
+    transition_spec,
+)
 
 
 @register

@@ -19,10 +19,20 @@ import numpy as np
 
 from .._args import check_int
 from .._errors import MemoryFullError, NotEnoughDataError, SampleTooLargeError
-from .._layout import default_episode_slots
+from ..protocol.layout import default_episode_slots
 from ._base import Facade, register, to_numpy, to_torch
-from ._planet_episode import (Episode, EpisodesView, LengthsView, check_schema, empty_snapshot,
-                              episode_list, episode_rows, held_rows, runs_of, storage_dtype)
+from ._planet_episode import (
+    Episode,
+    EpisodesView,
+    LengthsView,
+    check_schema,
+    empty_snapshot,
+    episode_list,
+    episode_rows,
+    held_rows,
+    runs_of,
+    storage_dtype,
+)
 from ._transitions import check_shape
 
 __all__ = ["Episode", "Memory"]

@@ -18,12 +18,20 @@ import warnings
 
 import numpy as np
 
-from .. import store
-from .._layout import default_episode_slots, encode_meta
 from ..gym import spec_for
 from ..gym._spaces import leaves
-from ._common import (BLOCK_BYTES, DatasetFormatError, block_rows, check_progress,
-                      filling, finished_episodes, keep_newest, progress_bar)
+from ..protocol.layout import default_episode_slots, encode_meta
+from ..store import buffer as store
+from ._common import (
+    BLOCK_BYTES,
+    DatasetFormatError,
+    block_rows,
+    check_progress,
+    filling,
+    finished_episodes,
+    keep_newest,
+    progress_bar,
+)
 
 _CONVENTION = ("reward", "is_first", "done")
 TRUNCATED = "truncated"  # Minari's flag, row by row (row 0: False); see the module docstring

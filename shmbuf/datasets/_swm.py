@@ -15,10 +15,18 @@ import tempfile
 
 import numpy as np
 
-from .. import store
-from .._layout import default_episode_slots, validate_column_name
-from ._common import (BLOCK_BYTES, DatasetFormatError, block_rows, check_progress,
-                      filling, finished_episodes, keep_newest, progress_bar)
+from ..protocol.layout import default_episode_slots, validate_column_name
+from ..store import buffer as store
+from ._common import (
+    BLOCK_BYTES,
+    DatasetFormatError,
+    block_rows,
+    check_progress,
+    filling,
+    finished_episodes,
+    keep_newest,
+    progress_bar,
+)
 
 _INDEX = ("ep_len", "ep_offset")
 

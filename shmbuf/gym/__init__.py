@@ -45,7 +45,8 @@ from __future__ import annotations
 
 from ._actor import run_actor
 from ._recorders import RecordEpisodes, RecordVectorEpisodes, autoreset_mode
-from ._spaces import CONVENTION, UnsupportedSpaceError, spec as _spec
+from ._spaces import CONVENTION, UnsupportedSpaceError
+from ._spaces import spec as _spec
 
 
 def spec_for(env, **overrides) -> dict:

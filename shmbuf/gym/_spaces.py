@@ -16,7 +16,7 @@ import numpy as np
 from gymnasium import spaces
 
 from .._errors import ShmbufError
-from .._layout import MAX_COLUMNS, validate_column_name
+from ..protocol.layout import MAX_COLUMNS, validate_column_name
 
 #: The columns the step convention adds to every spec (see ``shmbuf.gym``).
 CONVENTION = {"reward": ((), np.dtype(np.float32)), "is_first": ((), np.dtype(np.bool_)),

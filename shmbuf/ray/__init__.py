@@ -21,7 +21,7 @@ from __future__ import annotations
 import ray  # noqa: F401  # first: without the ray extra, the ImportError names ray itself
 
 from shmbuf.ray._buffer import ShardedBuffer, ShardStats
-from shmbuf.ray._errors import ShardLostError, ShardedBufferNotFoundError
+from shmbuf.ray._errors import ShardedBufferNotFoundError, ShardLostError
 from shmbuf.ray._open import connect, create
 from shmbuf.ray._placement import ShardEntry
 from shmbuf.ray._writers import LocalWriter, ShippingWriter

@@ -11,11 +11,11 @@ import ray
 import shmbuf
 from shmbuf.ray import _ids, _sampler
 from shmbuf.ray._count import MODES, modes
-from shmbuf.select import resolve
 from shmbuf.ray._errors import ShardLostError, is_loss
 from shmbuf.ray._placement import ShardEntry, actor_name, alive_nodes, make_entry, start_shards
 from shmbuf.ray._shard import META_KEY, node_id
 from shmbuf.ray._writers import LocalWriter, ShippingWriter
+from shmbuf.select import resolve
 
 log = logging.getLogger("shmbuf.ray")
 _LOCAL_CHECK_S = 1.0
@@ -279,7 +279,7 @@ class ShardedBuffer:
         if not self._options.get("priorities"):
             raise ValueError("update_priorities needs shards made with "
                              "shmbuf.ray.create(..., priorities=True)")
-        flat, values = shmbuf.store.checked_priorities(ids, priorities)
+        flat, values = shmbuf.store.reads.checked_priorities(ids, priorities)
         tags, local = _ids.split(flat)
         shards = {_ids.tag_of(s.buffer): s for s in self._live()}
         here, updated, calls = self._local_shard(), 0, []
@@ -303,7 +303,7 @@ class ShardedBuffer:
 
     def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
         """Checked ``(batch_size, length, tail, mix)``, ``mix`` the ``(fraction, mode)``
-        pairs of ``_count.modes`` (``shmbuf.prefetch`` calls it too)."""
+        pairs of ``_count.modes`` (``shmbuf.feed.prefetch`` calls it too)."""
         for arg, v, lo in (("batch_size", batch_size, 1), ("length", length, 1),
                            ("tail", tail, 0)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
@@ -324,7 +324,7 @@ class ShardedBuffer:
                  pin_memory: bool | None = None, rng=None, **sample_kwargs):
         """Global batches made ahead by a background thread: ``shmbuf``'s own prefetcher.
 
-        The same iterator as ``shmbuf.Buffer.prefetch`` (``shmbuf.prefetch``):
+        The same iterator as ``shmbuf.Buffer.prefetch`` (``shmbuf.feed.prefetch``):
         ``depth`` preallocated batches of torch tensors (pinned and copied on
         a side stream for CUDA), each valid until the next ``next()``; errors
         in the thread are raised by ``next()``.  Each batch's remote shares
@@ -343,7 +343,7 @@ class ShardedBuffer:
             >>> with rb.prefetch(50, 50, depth=2, device="cuda") as batches:
             ...     for batch in batches: ...
         """
-        from shmbuf.prefetch import Prefetcher
+        from shmbuf.feed.prefetch import Prefetcher
 
         self._check_open()
         if device is None:

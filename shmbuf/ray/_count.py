@@ -22,7 +22,7 @@ way over its episode index (``Buffer.count_episodes``: exact up to
 
 For ``select=Prioritized(...)`` the weight is the shard's total score, the
 sum of the scores of its windows that could start now
-(``shmbuf._prioritized.total``), so that each window of every shard is
+(``shmbuf.sampling.prioritized.total``), so that each window of every shard is
 drawn in proportion to its score.
 
 The counts themselves are the core's ``Buffer.count_valid_starts`` and
@@ -44,7 +44,7 @@ def weight(buf, length: int, tail: int, mode, rng: np.random.Generator) -> float
     windows ``(length, tail)`` (``"steps"``), its eligible finished episodes
     (``"episodes"``) or its total score (a ``Prioritized``), now (see the module doc)."""
     if isinstance(mode, Prioritized):
-        from shmbuf import _prioritized
+        from shmbuf.sampling import prioritized as _prioritized
 
         return float(_prioritized.total(buf, length, tail, mode.exponent, mode.maxfrac, rng))
     if mode == "episodes":

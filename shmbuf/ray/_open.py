@@ -10,11 +10,17 @@ import uuid
 
 import ray
 
-from shmbuf._layout import plan
+from shmbuf.protocol.layout import plan
 from shmbuf.ray._buffer import ShardedBuffer
 from shmbuf.ray._errors import ShardedBufferNotFoundError, is_loss
-from shmbuf.ray._placement import (DEFAULT_NAMESPACE, alive_nodes, check_name, make_entry,
-                                   shard_actors, start_shards)
+from shmbuf.ray._placement import (
+    DEFAULT_NAMESPACE,
+    alive_nodes,
+    check_name,
+    make_entry,
+    shard_actors,
+    start_shards,
+)
 
 log = logging.getLogger("shmbuf.ray")
 _OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault", "priorities",

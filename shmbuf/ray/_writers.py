@@ -23,8 +23,8 @@ import numpy as np
 import ray
 
 from shmbuf import BufferClosedError
-from shmbuf._cast import coerce, scalar_fast_path
 from shmbuf.ray._errors import ShardLostError, is_loss
+from shmbuf.writing.cast import coerce, scalar_fast_path
 
 _OWNER_CHECK_EVERY = 1024  # local steps between checks that the shard still lives
 

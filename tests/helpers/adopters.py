@@ -12,7 +12,7 @@ import signal
 import time
 
 import shmbuf
-from shmbuf._wait import poll
+from shmbuf.posix.wait import poll
 
 TIMEOUT = 60
 

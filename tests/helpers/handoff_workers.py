@@ -1,4 +1,4 @@
-"""A process that lends batch regions like a DataLoader worker (``shmbuf._handoff``)."""
+"""A process that lends batch regions like a DataLoader worker (``shmbuf.feed.handoff``)."""
 import pickle
 
 import numpy as np
@@ -17,7 +17,7 @@ def lend_batches(conn, n: int, keep_fd: bool = True) -> None:
     """
     import os
 
-    from shmbuf._handoff import SlotPool
+    from shmbuf.feed.handoff import SlotPool
 
     pool = SlotPool(SPEC, LEAD)
     payloads = []

@@ -9,9 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 import shmbuf
-from shmbuf.compat.history import HistoryBuffer
-
 from helpers.keyed_workers import history_info, pixels_for
+from shmbuf.compat.history import HistoryBuffer
 
 # Per-env shapes of history_info's keys; spec= lets workers append before the owner.
 SPEC = {"pixels": ((1, 4, 4, 3), np.uint8), "step": ((), np.int64),

@@ -26,8 +26,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shmbuf  # noqa: E402
-from shmbuf._wait import poll  # noqa: E402
 from helpers.stop_workers import Script  # noqa: E402
+from shmbuf.posix.wait import poll  # noqa: E402
 
 HANG_SECONDS = 20
 SPEC = {"x": ((), np.int64), "done": ((), np.bool_)}

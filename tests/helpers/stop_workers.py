@@ -15,10 +15,9 @@ import sys
 import textwrap
 import time
 
-from shmbuf._procs import start_time
-from shmbuf._wait import poll
-
 from helpers.workers import step_for
+from shmbuf.posix.procs import start_time
+from shmbuf.posix.wait import poll
 
 TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 60

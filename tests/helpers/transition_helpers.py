@@ -4,8 +4,8 @@ Kept out of test files so that spawned children can import it.
 """
 import multiprocessing as mp
 
-from shmbuf.compat.dreamer import ReplayBuffer
 from helpers.workers import step_for
+from shmbuf.compat.dreamer import ReplayBuffer
 
 JOIN_S = 60.0
 

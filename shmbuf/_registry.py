@@ -1,0 +1,27 @@
+"""Which class opens a buffer: one table from a kind name to the class that made it.
+
+Every buffer records the name of the class that made it: a step store's
+JSON metadata carries ``{"facade": NAME}`` (none for ``shmbuf.create``'s
+plain ``Buffer``), and keyed rings carry it in their user metadata.  Each
+class registers itself here when its module is imported (``@register``), so
+``shmbuf.attach`` and ``shmbuf.load`` find it without naming it: the core
+never imports ``compat/``.  The package root imports every class that can
+make a buffer, so after ``import shmbuf`` the table is complete.
+
+A registered class opens an attached segment with the classmethod
+``_open_segment(segment, layout, owner, *, seed, own, handle_signals)``.
+"""
+from __future__ import annotations
+
+_CLASSES: dict[str, type] = {}
+
+
+def register(cls: type, name: str | None = None) -> type:
+    """Class decorator: buffers recorded as made by ``name`` (default ``cls.FACADE``) open as ``cls``."""
+    _CLASSES[name if name is not None else cls.FACADE] = cls  # type: ignore[attr-defined]
+    return cls
+
+
+def class_for(name: str) -> type | None:
+    """The class registered under ``name``, or None."""
+    return _CLASSES.get(name)

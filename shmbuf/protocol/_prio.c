@@ -1,0 +1,921 @@
+/*
+ * Shared priorities: the row words, the per-block bounds, the sum tree over
+ * them, and the Prioritized draw's proposal and acceptance.
+ *
+ * _ring.Priorities drives every function here; the words and their packing
+ * are described in _layout (PRIORITY_COLUMN, PRIORITY_REGIONS) and
+ * docs/design.md ("Priorities").  The geometry (offsets, sizes, the chunk
+ * fields read) arrives in a tuple built by _ring from _layout: nothing about
+ * the layout is declared here.
+ *
+ * Lock-free rules, in short:
+ *  - a row word is tag << 32 | float32 bits, written by one atomic exchange;
+ *    a tag other than the row's chunk's current claim tag means "never set";
+ *  - a block's max word only rises within a claim (CAS-max), and it is raised,
+ *    and the leaf above it refreshed, BEFORE the row word is written, so a
+ *    leaf never bounds a row from below even if its updater dies;
+ *  - every tree node is recomputed from what it summarises (a leaf from its
+ *    block words, a node from its children) and installed by CAS on a word
+ *    that carries an 8-bit version, so refreshes by any number of processes,
+ *    in any order, leave each node equal to the sum below it once they stop;
+ *    one that dies leaves at worst a stale node, which the next refresh on its
+ *    path (or repair) fixes.
+ * No function waits for anything: every loop retries only after another
+ * process changed the word it compared.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef _Atomic uint64_t atomic_u64;
+
+#define MAX_LEVELS 16
+#define MAX_TREES 4
+#define FANOUT 16
+#define U32 0xFFFFFFFFull
+
+typedef struct {
+    char *base;
+    Py_ssize_t len;
+    int64_t chunks_at, n_chunks, k, capacity, entry;
+    int64_t f_state, f_count, f_next, f_next_seq, f_ticket;
+    int64_t slot_shift, no_slot;
+    int64_t rows_at, blocks_at, prev_at, bs, bpc, n_blocks, max_off, ticket_off;
+    int64_t claimed;   /* chunks claimed when the call began: no entry at or above is read */
+    int n_trees, n_levels;
+    double e[MAX_TREES];                     /* each tree's exponent, ascending */
+    int64_t level_at[MAX_TREES][MAX_LEVELS], level_n[MAX_LEVELS];
+} PG;
+
+static inline atomic_u64 *
+word(const PG *g, int64_t off)
+{
+    return (atomic_u64 *)(g->base + off);
+}
+
+static inline uint64_t
+chunk_word(const PG *g, int64_t chunk, int64_t field)
+{
+    return atomic_load_explicit(word(g, g->chunks_at + chunk * g->entry + field),
+                                memory_order_acquire);
+}
+
+static inline int64_t
+chunk_rows(const PG *g, int64_t chunk)
+{
+    int64_t left = g->capacity - chunk * g->k;
+    return left < g->k ? left : g->k;
+}
+
+static inline uint64_t
+tag_of(uint64_t ticket)
+{
+    return (ticket & 0x7FFFFFFFull) | 0x80000000ull;
+}
+
+static inline float
+f32(uint64_t w)
+{
+    uint32_t b = (uint32_t)(w & U32);
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+static inline uint64_t
+bits32(float f)
+{
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline uint64_t
+pack_node(uint64_t count, uint64_t version, float value)
+{
+    return (count << 40) | ((version & 0xFF) << 32) | bits32(value);
+}
+
+static inline atomic_u64 *
+node(const PG *g, int tree, int level, int64_t i)
+{
+    return word(g, g->level_at[tree][level] + 8 * i);
+}
+
+static inline atomic_u64 *
+block_word(const PG *g, int64_t b, int which)
+{
+    return word(g, g->blocks_at + 16 * b + 8 * which);
+}
+
+/* The largest priority ever set, or 1.0 before any (the PER convention). */
+static inline double
+largest(const PG *g)
+{
+    uint64_t w = atomic_load_explicit(word(g, g->max_off), memory_order_acquire);
+    return (w >> 32) & 1 ? (double)f32(w) : 1.0;
+}
+
+static int
+parse(Py_buffer *mm, PyObject *geo, PG *g)
+{
+    PyObject *trees;
+    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLLLLLLLLLLO", &g->chunks_at, &g->n_chunks, &g->k,
+                          &g->capacity, &g->entry, &g->f_state, &g->f_count, &g->f_next,
+                          &g->f_next_seq, &g->f_ticket, &g->slot_shift, &g->no_slot,
+                          &g->rows_at, &g->blocks_at, &g->prev_at, &g->bs, &g->bpc,
+                          &g->n_blocks, &g->max_off, &g->ticket_off, &trees))
+        return -1;
+    g->base = mm->buf;
+    g->len = mm->len;
+    if (!PyTuple_Check(trees) || PyTuple_GET_SIZE(trees) < 1
+        || PyTuple_GET_SIZE(trees) > MAX_TREES) {
+        PyErr_SetString(PyExc_ValueError, "priority geometry: bad tree table");
+        return -1;
+    }
+    g->n_trees = (int)PyTuple_GET_SIZE(trees);
+    for (int t = 0; t < g->n_trees; t++) {
+        PyObject *levels;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(trees, t), "dO", &g->e[t], &levels))
+            return -1;
+        if (!PyTuple_Check(levels) || PyTuple_GET_SIZE(levels) < 1
+            || PyTuple_GET_SIZE(levels) > MAX_LEVELS || !(g->e[t] > 0)
+            || (t > 0 && (int)PyTuple_GET_SIZE(levels) != g->n_levels)
+            || (t > 0 && !(g->e[t] > g->e[t - 1]))) {
+            PyErr_SetString(PyExc_ValueError, "priority geometry: bad level table");
+            return -1;
+        }
+        g->n_levels = (int)PyTuple_GET_SIZE(levels);
+        for (int d = 0; d < g->n_levels; d++) {
+            int64_t n;
+            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(levels, d), "LL", &g->level_at[t][d], &n))
+                return -1;
+            if (t == 0)
+                g->level_n[d] = n;
+            if (g->level_at[t][d] < 0 || g->level_at[t][d] % 8 || n != g->level_n[d] || n < 1
+                || g->level_at[t][d] + 8 * n > g->len
+                || (d == 0 ? n != g->n_blocks : n != (g->level_n[d - 1] + FANOUT - 1) / FANOUT)) {
+                PyErr_SetString(PyExc_ValueError, "priority geometry: a tree level does not fit");
+                return -1;
+            }
+        }
+    }
+    if (g->level_n[g->n_levels - 1] != 1 || g->k < 1 || g->n_chunks < 1 || g->bs < 1
+        || g->bpc != (g->k + g->bs - 1) / g->bs || g->n_blocks != g->n_chunks * g->bpc
+        || g->capacity > g->n_chunks * g->k || g->entry < 8 || g->entry % 8
+        || g->chunks_at < 0 || g->chunks_at + g->n_chunks * g->entry > g->len
+        || g->rows_at < 0 || g->rows_at % 8 || g->rows_at + 8 * g->capacity > g->len
+        || g->blocks_at < 0 || g->blocks_at % 8 || g->blocks_at + 16 * g->n_blocks > g->len
+        || g->prev_at < 0 || g->prev_at % 8 || g->prev_at + 16 * g->n_chunks > g->len
+        || g->max_off < 0 || g->max_off % 8 || g->max_off + 8 > g->len
+        || g->ticket_off < 0 || g->ticket_off % 8 || g->ticket_off + 8 > g->len) {
+        PyErr_SetString(PyExc_ValueError, "priority geometry does not fit the buffer");
+        return -1;
+    }
+    /* Chunks at or above the claim count were never claimed: their entries may not
+     * even have pages yet (_space), so nothing here reads them. */
+    uint64_t tickets = atomic_load_explicit(word(g, g->ticket_off), memory_order_acquire);
+    g->claimed = tickets < (uint64_t)g->n_chunks ? (int64_t)tickets : g->n_chunks;
+    return 0;
+}
+
+/* -- the tree ------------------------------------------------------------------ */
+
+/* What leaf b of tree `tree` should hold now: (count, value); see _layout.PRIORITY_REGIONS. */
+static void
+leaf_value(const PG *g, int tree, int64_t b, uint64_t *count, float *value)
+{
+    int64_t chunk = b / g->bpc, first = (b % g->bpc) * g->bs;
+    *count = 0;
+    *value = 0.0f;
+    if (chunk >= g->claimed)
+        return;                                   /* never claimed: no step */
+    uint64_t state = chunk_word(g, chunk, g->f_state);
+    int64_t rows = chunk_rows(g, chunk) - first;
+    if ((int64_t)((state >> g->slot_shift) & 0x7FFF) == g->no_slot || rows <= 0)
+        return;                                   /* never claimed, or cleared: no step */
+    *count = 1;                                   /* default: "holds a step never set" */
+    if ((state >> 32) & 1)
+        return;
+    uint64_t tag = tag_of(chunk_word(g, chunk, g->f_ticket));
+    uint64_t set = atomic_load_explicit(block_word(g, b, 0), memory_order_acquire);
+    uint64_t top = atomic_load_explicit(block_word(g, b, 1), memory_order_acquire);
+    if (rows > g->bs)
+        rows = g->bs;
+    if (set >> 32 != tag || (int64_t)(set & U32) < rows || top >> 32 != tag)
+        return;
+    *count = 0;
+    *value = (float)pow((double)f32(top), g->e[tree]);
+}
+
+static void
+refresh_leaf(const PG *g, int tree, int64_t b)
+{
+    atomic_u64 *w = node(g, tree, 0, b);
+    for (;;) {
+        uint64_t old = atomic_load_explicit(w, memory_order_acquire), count;
+        float value;
+        leaf_value(g, tree, b, &count, &value);
+        if (atomic_compare_exchange_strong(w, &old, pack_node(count, (old >> 32) + 1, value)))
+            return;
+    }
+}
+
+static void
+refresh_node(const PG *g, int tree, int level, int64_t i)
+{
+    atomic_u64 *w = node(g, tree, level, i);
+    int64_t lo = i * FANOUT, hi = lo + FANOUT;
+    if (hi > g->level_n[level - 1])
+        hi = g->level_n[level - 1];
+    for (;;) {
+        uint64_t old = atomic_load_explicit(w, memory_order_acquire), count = 0;
+        double sum = 0;
+        for (int64_t c = lo; c < hi; c++) {
+            uint64_t v = atomic_load_explicit(node(g, tree, level - 1, c), memory_order_acquire);
+            count += v >> 40;
+            sum += f32(v);
+        }
+        if (atomic_compare_exchange_strong(w, &old, pack_node(count, (old >> 32) + 1, (float)sum)))
+            return;
+    }
+}
+
+static int
+cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Refresh leaves idx[0..n) (any order, repeats allowed) of every tree and every node
+ * above them; idx is sorted and deduplicated, scratch (n items) overwritten. */
+static void
+refresh_up(const PG *g, int64_t *idx, int64_t *scratch, Py_ssize_t n)
+{
+    if (n == 0)
+        return;
+    qsort(idx, (size_t)n, sizeof(int64_t), cmp_i64);
+    Py_ssize_t leaves = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (i == 0 || idx[i] != idx[leaves - 1])
+            idx[leaves++] = idx[i];
+    for (int t = 0; t < g->n_trees; t++) {
+        Py_ssize_t m = leaves;
+        memcpy(scratch, idx, (size_t)m * sizeof(int64_t));
+        for (Py_ssize_t i = 0; i < m; i++)
+            refresh_leaf(g, t, scratch[i]);
+        for (int d = 1; d < g->n_levels; d++) {
+            Py_ssize_t up = 0;
+            for (Py_ssize_t i = 0; i < m; i++) {
+                int64_t p = scratch[i] / FANOUT;
+                if (up == 0 || scratch[up - 1] != p)
+                    scratch[up++] = p;
+            }
+            m = up;
+            for (Py_ssize_t i = 0; i < m; i++)
+                refresh_node(g, t, d, scratch[i]);
+        }
+    }
+}
+
+/* CAS-max of a tag << 32 | float32 word, only while the tag matches.
+ * Returns 1 if it rose, 0 if not, -1 if the tag is another claim's. */
+static int
+raise_tagged(atomic_u64 *w, uint64_t tag, uint64_t bits)
+{
+    uint64_t old = atomic_load_explicit(w, memory_order_acquire);
+    for (;;) {
+        if (old >> 32 != tag)
+            return -1;
+        if ((old & U32) >= bits)
+            return 0;
+        if (atomic_compare_exchange_strong(w, &old, tag << 32 | bits))
+            return 1;
+    }
+}
+
+/* Does every tree's leaf of block b bound a priority `v` (v ** e <= leaf)?  Without a
+ * pow for the exponents 0.5, 0.8 and 1.0 of _layout.TREE_EXPONENTS (float32 rounding
+ * may say no where the answer is yes: then the caller only refreshes once more). */
+static int
+leaves_cover(const PG *g, int64_t b, float v)
+{
+    for (int t = 0; t < g->n_trees; t++) {
+        uint64_t w = atomic_load_explicit(node(g, t, 0, b), memory_order_acquire);
+        if (w >> 40)
+            continue;                       /* bounded by the largest priority ever set */
+        double leaf = (double)f32(w), e = g->e[t], top;
+        if (e == 1.0)
+            top = leaf;
+        else if (e == 0.5)
+            top = leaf * leaf;
+        else if (e == 0.8)
+            top = leaf * sqrt(sqrt(leaf));
+        else
+            top = pow(leaf, 1.0 / e);
+        if (!((double)v <= top))
+            return 0;
+    }
+    return 1;
+}
+
+/* The chunk and row offset that `id` names if it is still held, else -1. */
+static int64_t
+resolve(const PG *g, int64_t id, int64_t *offset, uint64_t *tag)
+{
+    if (id < 0)
+        return -1;
+    int64_t ticket = id / g->k, off = id % g->k, chunk = ticket % g->n_chunks;
+    if (chunk >= g->claimed || off >= chunk_rows(g, chunk))
+        return -1;
+    uint64_t state = chunk_word(g, chunk, g->f_state);
+    if ((state >> 32) & 1 || (int64_t)chunk_word(g, chunk, g->f_ticket) != ticket
+        || (int64_t)chunk_word(g, chunk, g->f_count) <= off
+        || chunk_word(g, chunk, g->f_state) >> 32 != state >> 32)
+        return -1;
+    *offset = off;
+    *tag = tag_of((uint64_t)ticket);
+    return chunk;
+}
+
+/*
+ * update(buffer, geometry, ids, values) -> steps updated
+ *
+ * ids int64, values float32 (finite, >= 0: checked by the caller), same length.
+ * Stale ids are skipped.  Order: the largest-ever word and the block bounds
+ * rise first and the leaves above them are refreshed, then the row words are
+ * exchanged, then blocks whose every row is now set get their exact bound.
+ */
+static PyObject *
+update(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, ids, vals;
+    PyObject *geo;
+    if (!PyArg_ParseTuple(args, "w*Oy*y*", &mm, &geo, &ids, &vals))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    Py_ssize_t n = ids.len / 8;
+    if (ids.len % 8 || vals.len != n * 4) {
+        PyErr_SetString(PyExc_ValueError, "update: ids and values do not fit");
+        goto done;
+    }
+    int64_t *chunk = PyMem_Malloc((size_t)(5 * n + 1) * 8);
+    if (!chunk) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *offs = chunk + n, *touched = offs + n, *scratch = touched + n;
+    uint64_t *tags = (uint64_t *)(scratch + n);
+    const int64_t *id = ids.buf;
+    const float *val = vals.buf;
+    Py_ssize_t updated = 0, raised = 0, filled = 0;
+    Py_BEGIN_ALLOW_THREADS
+    atomic_u64 *top = word(&g, g.max_off);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t tag = 0, bits = bits32(val[i]);
+        chunk[i] = resolve(&g, id[i], &offs[i], &tag);
+        tags[i] = tag;
+        if (chunk[i] < 0)
+            continue;
+        uint64_t want = (1ull << 32) | bits, old = atomic_load_explicit(top, memory_order_acquire);
+        while (old < want && !atomic_compare_exchange_strong(top, &old, want))
+            ;
+        int64_t b = chunk[i] * g.bpc + offs[i] / g.bs;
+        int r = raise_tagged(block_word(&g, b, 1), tag, bits);
+        if (r < 0) {
+            chunk[i] = -1;          /* the claim's reset is not done: not ours to set */
+            continue;
+        }
+        /* A block whose leaf is exact (every row set) is refreshed even when its max
+         * did not rise here: an updater killed between raising the max and refreshing
+         * the leaf leaves the max above the leaf, and this row must not be written
+         * above a leaf that does not cover it. */
+        uint64_t set = atomic_load_explicit(block_word(&g, b, 0), memory_order_acquire);
+        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.bs) * g.bs;
+        int full = set >> 32 == tag && (int64_t)(set & U32) >= (rows < g.bs ? rows : g.bs);
+        if (r > 0 || (full && !leaves_cover(&g, b, val[i])))
+            touched[raised++] = b;
+    }
+    refresh_up(&g, touched, scratch, raised);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (chunk[i] < 0)
+            continue;
+        uint64_t tag = tags[i];    /* the claim the id named, even if recycled since */
+        int64_t b = chunk[i] * g.bpc + offs[i] / g.bs;
+        uint64_t old = atomic_exchange(word(&g, g.rows_at + 8 * (chunk[i] * g.k + offs[i])),
+                                       tag << 32 | bits32(val[i]));
+        updated++;
+        if (old >> 32 == tag)
+            continue;               /* set before in this claim: the count has it */
+        atomic_u64 *set = block_word(&g, b, 0);
+        uint64_t was = atomic_load_explicit(set, memory_order_acquire);
+        while (was >> 32 == tag && !atomic_compare_exchange_strong(set, &was, was + 1))
+            ;
+        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.bs) * g.bs;
+        if (was >> 32 == tag && (int64_t)(was & U32) + 1 >= (rows < g.bs ? rows : g.bs))
+            touched[filled++] = b;
+    }
+    refresh_up(&g, touched, scratch, filled);
+    Py_END_ALLOW_THREADS
+    PyMem_Free(chunk);
+    result = PyLong_FromSsize_t(updated);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&ids);
+    PyBuffer_Release(&vals);
+    return result;
+}
+
+/*
+ * reset(buffer, geometry, chunk, ticket): a chunk was claimed with `ticket`
+ * (or cleared): its blocks start a new claim with nothing set, and their
+ * leaves say so.  The claimant calls it before it writes the chunk's first row.
+ */
+static PyObject *
+reset(PyObject *self, PyObject *args)
+{
+    Py_buffer mm;
+    PyObject *geo;
+    long long chunk, ticket;
+    if (!PyArg_ParseTuple(args, "w*OLL", &mm, &geo, &chunk, &ticket))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    int64_t *idx = NULL;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    if (chunk < 0 || chunk >= g.n_chunks || ticket < 0) {
+        PyErr_SetString(PyExc_ValueError, "reset: chunk or ticket out of range");
+        goto done;
+    }
+    idx = PyMem_Malloc((size_t)g.bpc * 16);
+    if (!idx) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t tag = tag_of((uint64_t)ticket);
+    for (int64_t j = 0; j < g.bpc; j++) {
+        int64_t b = chunk * g.bpc + j;
+        atomic_store_explicit(block_word(&g, b, 1), tag << 32, memory_order_release);
+        atomic_store_explicit(block_word(&g, b, 0), tag << 32, memory_order_release);
+        idx[j] = b;
+    }
+    refresh_up(&g, idx, idx + g.bpc, g.bpc);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyMem_Free(idx);
+    PyBuffer_Release(&mm);
+    return result;
+}
+
+/*
+ * repair(buffer, geometry): recompute every leaf from its block words and
+ * every node from its children, bottom up: the way back to a consistent tree
+ * after a process died in the middle of a refresh.  Safe while others update.
+ */
+static PyObject *
+repair(PyObject *self, PyObject *args)
+{
+    Py_buffer mm;
+    PyObject *geo;
+    if (!PyArg_ParseTuple(args, "w*O", &mm, &geo))
+        return NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0) {
+        PyBuffer_Release(&mm);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int t = 0; t < g.n_trees; t++) {
+        for (int64_t b = 0; b < g.n_blocks; b++)
+            refresh_leaf(&g, t, b);
+        for (int d = 1; d < g.n_levels; d++)
+            for (int64_t i = 0; i < g.level_n[d]; i++)
+                refresh_node(&g, t, d, i);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&mm);
+    Py_RETURN_NONE;
+}
+
+/*
+ * stale_nodes(buffer, geometry) -> (leaves, nodes): how many leaves differ
+ * from their block words and how many nodes from the sum of their children
+ * (float sums compared to 1e-5 relative).  Tests and `shmbuf` diagnostics.
+ */
+static PyObject *
+stale_nodes(PyObject *self, PyObject *args)
+{
+    Py_buffer mm;
+    PyObject *geo;
+    if (!PyArg_ParseTuple(args, "w*O", &mm, &geo))
+        return NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0) {
+        PyBuffer_Release(&mm);
+        return NULL;
+    }
+    Py_ssize_t leaves = 0, nodes = 0;
+    for (int t = 0; t < g.n_trees; t++) {
+        for (int64_t b = 0; b < g.n_blocks; b++) {
+            uint64_t count, v = atomic_load_explicit(node(&g, t, 0, b), memory_order_acquire);
+            float value;
+            leaf_value(&g, t, b, &count, &value);
+            leaves += (v >> 40) != count || f32(v) != value;
+        }
+        for (int d = 1; d < g.n_levels; d++) {
+            for (int64_t i = 0; i < g.level_n[d]; i++) {
+                uint64_t v = atomic_load_explicit(node(&g, t, d, i), memory_order_acquire);
+                uint64_t count = 0;
+                double sum = 0;
+                for (int64_t c = i * FANOUT; c < (i + 1) * FANOUT && c < g.level_n[d - 1]; c++) {
+                    uint64_t w = atomic_load_explicit(node(&g, t, d - 1, c), memory_order_acquire);
+                    count += w >> 40;
+                    sum += f32(w);
+                }
+                nodes += (v >> 40) != count || fabs(f32(v) - sum) > 1e-5 * (sum + 1e-30);
+            }
+        }
+    }
+    PyBuffer_Release(&mm);
+    return Py_BuildValue("nn", leaves, nodes);
+}
+
+/* -- reading priorities ---------------------------------------------------------- */
+
+/* The priority of the step at `row` (its chunk's claim tag read from the table). */
+static inline double
+priority_at(const PG *g, int64_t row, double dflt, int *explicit)
+{
+    int64_t chunk = row / g->k;
+    uint64_t tag = tag_of(chunk_word(g, chunk, g->f_ticket));
+    uint64_t w = atomic_load_explicit(word(g, g->rows_at + 8 * row), memory_order_relaxed);
+    *explicit = w >> 32 == tag;
+    return *explicit ? (double)f32(w) : dflt;
+}
+
+static inline double
+leaf_bound(const PG *g, int tree, int64_t b, double g0)
+{
+    uint64_t v = atomic_load_explicit(node(g, tree, 0, b), memory_order_acquire);
+    return (v >> 40) ? g0 : (double)f32(v);
+}
+
+/*
+ * values(buffer, geometry, rows, out, explicit): out[i] (float32) the
+ * priority of the step at rows[i] (committed rows: the caller validates),
+ * explicit[i] (uint8) 1 if it was set in this claim, 0 if it is the default.
+ */
+static PyObject *
+values(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, rows, out, ex;
+    PyObject *geo;
+    if (!PyArg_ParseTuple(args, "w*Oy*w*w*", &mm, &geo, &rows, &out, &ex))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    Py_ssize_t n = rows.len / 8;
+    if (rows.len % 8 || out.len != n * 4 || ex.len != n) {
+        PyErr_SetString(PyExc_ValueError, "values: arguments do not fit");
+        goto done;
+    }
+    const int64_t *r = rows.buf;
+    double dflt = largest(&g);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int explicit = 0;
+        if (r[i] < 0 || r[i] >= g.capacity) {
+            PyErr_SetString(PyExc_ValueError, "values: row out of range");
+            goto done;
+        }
+        ((float *)out.buf)[i] = (float)priority_at(&g, r[i], dflt, &explicit);
+        ((uint8_t *)ex.buf)[i] = (uint8_t)explicit;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&ex);
+    return result;
+}
+
+/* -- the draw -------------------------------------------------------------------- */
+
+/* The stream predecessor of `chunk` (whose seq is `seq`) if it still links to it. */
+static int64_t
+predecessor(const PG *g, int64_t chunk, int64_t seq, int64_t *pseq)
+{
+    uint64_t p = atomic_load_explicit(word(g, g->prev_at + 16 * chunk), memory_order_acquire);
+    int64_t ps = (int64_t)atomic_load_explicit(word(g, g->prev_at + 16 * chunk + 8),
+                                               memory_order_acquire);
+    if (p == 0 || p > (uint64_t)g->n_chunks)
+        return -1;
+    int64_t pc = (int64_t)p - 1;
+    if (pc >= g->claimed || (int64_t)(chunk_word(g, pc, g->f_state) >> 32) != ps || (ps & 1)
+        || chunk_word(g, pc, g->f_next) != (uint64_t)chunk + 1
+        || (int64_t)chunk_word(g, pc, g->f_next_seq) != seq)
+        return -1;
+    *pseq = ps;
+    return pc;
+}
+
+/*
+ * propose(buffer, geometry, raw, length, tree, largest, starts): for each pair
+ * of raw 64-bit words, pick a block b with probability proportional to its
+ * bound in tree `tree` (count-1 leaves weigh largest ** its exponent), then one of
+ * the block + length - 1 stream positions whose window of `length` steps
+ * touches b, uniformly; starts[i] = that position's row, or -1 where the
+ * position does not exist (before the stream's kept chunks, past the block).
+ * So a start r is proposed with weight sum(bound of b for every block b its
+ * window touches): the mu that score_ratio divides by.
+ */
+static PyObject *
+propose(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, raw, out;
+    PyObject *geo;
+    long long length;
+    int tree;
+    double top;
+    if (!PyArg_ParseTuple(args, "w*Oy*Lidw*", &mm, &geo, &raw, &length, &tree, &top, &out))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    Py_ssize_t n = out.len / 8;
+    if (out.len % 8 || raw.len != n * 16 || length < 1 || !(top >= 0) || tree < 0
+        || tree >= g.n_trees) {
+        PyErr_SetString(PyExc_ValueError, "propose: arguments do not fit");
+        goto done;
+    }
+    const uint64_t *rw = raw.buf;
+    int64_t *starts = out.buf;
+    double g0 = pow(top, g.e[tree]);
+    uint64_t positions = (uint64_t)(g.bs + length - 1);
+    /* Breadth first: every proposal descends one level before any goes deeper,
+     * and the children of all of them are prefetched first, so the cache misses
+     * of a level overlap instead of following one another. */
+    int64_t *at = PyMem_Malloc((size_t)(n + 1) * sizeof(int64_t));
+    double *us = PyMem_Malloc((size_t)(n + 1) * sizeof(double));
+    if (!at || !us) {
+        PyMem_Free(at);
+        PyMem_Free(us);
+        PyErr_NoMemory();
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        at[i] = 0;
+        us[i] = (double)(rw[2 * i] >> 11) * 0x1.0p-53;
+    }
+    for (int d = g.n_levels - 2; d >= 0; d--) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (at[i] >= 0) {
+                const char *first = (const char *)node(&g, tree, d, at[i] * FANOUT);
+                __builtin_prefetch(first);
+                __builtin_prefetch(first + 64);
+            }
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t j = at[i];
+            if (j < 0)
+                continue;
+            int64_t lo = j * FANOUT, hi = lo + FANOUT;
+            if (hi > g.level_n[d])
+                hi = g.level_n[d];
+            double w[FANOUT], total = 0;
+            for (int64_t c = lo; c < hi; c++) {
+                uint64_t v = atomic_load_explicit(node(&g, tree, d, c), memory_order_acquire);
+                w[c - lo] = (double)(v >> 40) * g0 + (double)f32(v);
+                total += w[c - lo];
+            }
+            if (!(total > 0)) {
+                at[i] = -1;
+                continue;
+            }
+            double x = us[i] * total;
+            int64_t c = lo;
+            while (c < hi - 1 && x >= w[c - lo]) {
+                x -= w[c - lo];
+                c++;
+            }
+            while (w[c - lo] <= 0 && c > lo)   /* rounding ran past the last weighted child */
+                c--;
+            if (!(w[c - lo] > 0)) {
+                at[i] = -1;
+                continue;
+            }
+            double u = x / w[c - lo];
+            us[i] = u < 0 ? 0 : u >= 1 ? 0x1.fffffffffffffp-1 : u;
+            at[i] = c;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int64_t j = at[i];
+        starts[i] = -1;
+        if (j < 0)
+            continue;
+        if (g.n_levels == 1 && !(leaf_bound(&g, tree, 0, g0) > 0))
+            continue;
+        int64_t chunk = j / g.bpc, first = (j % g.bpc) * g.bs;
+        int64_t rel = (int64_t)(((unsigned __int128)rw[2 * i + 1] * positions) >> 64)
+                      - (length - 1);
+        int64_t last = first + g.bs < chunk_rows(&g, chunk) ? first + g.bs : chunk_rows(&g, chunk);
+        if (rel >= 0) {
+            if (first + rel < last)
+                starts[i] = chunk * g.k + first + rel;
+            continue;
+        }
+        int64_t back = -rel;                  /* steps before the block's first row */
+        if (back <= first) {
+            starts[i] = chunk * g.k + first - back;
+            continue;
+        }
+        back -= first;
+        int64_t seq = (int64_t)(chunk_word(&g, chunk, g.f_state) >> 32);
+        for (int64_t hop = 0; hop < length && !(seq & 1); hop++) {
+            int64_t pseq, pc = predecessor(&g, chunk, seq, &pseq);
+            if (pc < 0)
+                break;
+            int64_t rows = chunk_rows(&g, pc);
+            if (back <= rows) {
+                starts[i] = pc * g.k + rows - back;
+                break;
+            }
+            back -= rows;
+            chunk = pc;
+            seq = pseq;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_Free(at);
+    PyMem_Free(us);
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&raw);
+    PyBuffer_Release(&out);
+    return result;
+}
+
+/*
+ * score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, tree, score, ratio)
+ *
+ * tree: the index of the tree `propose` used (its exponent e0 <= exponent), or
+ * -1 for uniform proposals.
+ *
+ * rows: (m, L) int64, windows located by _windows.find.  score[i] =
+ * (maxfrac * max + (1 - maxfrac) * mean) ** exponent of window i's
+ * priorities (never-set steps count as `largest`).  ratio[i] = score /
+ * bound: with a tree, bound = (sum of the tree's leaf bounds of the blocks its
+ * rows lie in) * largest ** (exponent - e0), the weight `propose` gave it;
+ * with -1, bound = largest ** exponent, for uniform proposals.  Accepting window i with probability ratio[i] makes
+ * accepted windows follow the score.
+ */
+static PyObject *
+score_ratio(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, rows, sc, ra;
+    PyObject *geo;
+    double exponent, maxfrac, top;
+    int tree;
+    if (!PyArg_ParseTuple(args, "w*Oy*dddiw*w*", &mm, &geo, &rows, &exponent, &maxfrac, &top,
+                          &tree, &sc, &ra))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    Py_ssize_t m = sc.len / 8;
+    if (sc.len % 8 || ra.len != sc.len || (m > 0 && rows.len % (m * 8)) || tree < -1
+        || tree >= g.n_trees) {
+        PyErr_SetString(PyExc_ValueError, "score_ratio: arguments do not fit");
+        goto done;
+    }
+    Py_ssize_t length = m ? rows.len / 8 / m : 0;
+    const int64_t *r = rows.buf;
+    for (Py_ssize_t i = 0; i < m * length; i++) {
+        if (r[i] < 0 || r[i] >= g.capacity) {
+            PyErr_SetString(PyExc_ValueError, "score_ratio: row out of range");
+            goto done;
+        }
+    }
+    int by_tree = tree >= 0;
+    double e0 = by_tree ? g.e[tree] : 0;
+    double g0 = pow(top, e0), scale = pow(top, exponent - e0);
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < m; i++) {
+        const int64_t *w = r + i * length;
+        double hi = 0, sum = 0, bound = 0;
+        if (i + 8 < m) {   /* start the misses of a later window while this one is scored */
+            const int64_t *v = w + 8 * length;
+            __builtin_prefetch(g.base + g.rows_at + 8 * v[0]);
+            __builtin_prefetch(g.base + g.rows_at + 8 * v[length - 1]);
+            __builtin_prefetch(g.base + g.chunks_at + (v[0] / g.k) * g.entry + g.f_ticket);
+        }
+        /* Rows run consecutively within each chunk of the window: the chunk's tag
+         * and the block are found once per chunk and stepped at block ends. */
+        int64_t lo_row = 0, hi_row = 0, block_end = 0, b = 0;
+        uint64_t tag = 0;
+        for (Py_ssize_t t = 0; t < length; t++) {
+            int64_t row = w[t];
+            if (row < lo_row || row >= hi_row || row != w[t - (t > 0)] + (t > 0)) {
+                int64_t chunk = row / g.k, first = (row - chunk * g.k) / g.bs;
+                lo_row = chunk * g.k;
+                hi_row = lo_row + chunk_rows(&g, chunk);
+                tag = tag_of(chunk_word(&g, chunk, g.f_ticket));
+                b = chunk * g.bpc + first;
+                block_end = lo_row + (first + 1) * g.bs;
+                if (by_tree)
+                    bound += leaf_bound(&g, tree, b, g0);
+            } else if (row >= block_end) {
+                b++;
+                block_end += g.bs;
+                if (by_tree)
+                    bound += leaf_bound(&g, tree, b, g0);
+            }
+            uint64_t pw = atomic_load_explicit(word(&g, g.rows_at + 8 * row), memory_order_relaxed);
+            double p = pw >> 32 == tag ? (double)f32(pw) : top;
+            hi = p > hi ? p : hi;
+            sum += p;
+        }
+        double s = pow(maxfrac * hi + (1 - maxfrac) * sum / (double)length, exponent);
+        double mu = (by_tree ? bound : 1.0) * scale;
+        ((double *)sc.buf)[i] = s;
+        ((double *)ra.buf)[i] = mu > 0 ? s / mu : 0;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&sc);
+    PyBuffer_Release(&ra);
+    return result;
+}
+
+/* mass(buffer, geometry, tree, largest) -> tree's total weight (count * largest ** e + sum). */
+static PyObject *
+mass(PyObject *self, PyObject *args)
+{
+    Py_buffer mm;
+    PyObject *geo;
+    int tree;
+    double top;
+    if (!PyArg_ParseTuple(args, "w*Oid", &mm, &geo, &tree, &top))
+        return NULL;
+    PG g;
+    if (parse(&mm, geo, &g) < 0) {
+        PyBuffer_Release(&mm);
+        return NULL;
+    }
+    if (tree < 0 || tree >= g.n_trees) {
+        PyBuffer_Release(&mm);
+        PyErr_SetString(PyExc_ValueError, "mass: no such tree");
+        return NULL;
+    }
+    uint64_t v = atomic_load_explicit(node(&g, tree, g.n_levels - 1, 0), memory_order_acquire);
+    PyBuffer_Release(&mm);
+    return PyFloat_FromDouble((double)(v >> 40) * pow(top, g.e[tree]) + (double)f32(v));
+}
+
+static PyMethodDef methods[] = {
+    {"update", update, METH_VARARGS, "update(buffer, geometry, ids, values) -> steps updated"},
+    {"reset", reset, METH_VARARGS, "reset(buffer, geometry, chunk, ticket)"},
+    {"repair", repair, METH_VARARGS, "repair(buffer, geometry)"},
+    {"stale_nodes", stale_nodes, METH_VARARGS, "stale_nodes(buffer, geometry) -> (leaves, nodes)"},
+    {"values", values, METH_VARARGS, "values(buffer, geometry, rows, out, explicit)"},
+    {"propose", propose, METH_VARARGS,
+     "propose(buffer, geometry, raw, length, tree, largest, starts)"},
+    {"score_ratio", score_ratio, METH_VARARGS,
+     "score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, tree, score, ratio)"},
+    {"mass", mass, METH_VARARGS, "mass(buffer, geometry, tree, largest) -> float"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "shmbuf.protocol._prio",
+    "Shared priorities: row words, block bounds, the sum tree and the prioritized draw.", -1,
+    methods,
+};
+
+PyMODINIT_FUNC
+PyInit__prio(void)
+{
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,169 @@
+"""Shared priorities: the claim-tagged row words, block bounds and sum trees, driven from Python.
+
+The words themselves are loaded and stored in ``_prio.c``; docs/design.md
+("Priorities") states the protocol.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from . import _atomic as atomic
+from . import _prio
+from .layout import CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, NO_SLOT, PRIORITY_COLUMN
+from .words import _COUNT, _STATE, _TICKET, _U32
+
+if TYPE_CHECKING:  # annotations only: the ring builds these objects
+    from .ring import Ring
+
+class Priorities:
+    """The shared priorities of a step store (``create(..., priorities=True)``): every
+    load and store of their words, through ``_prio.c``.
+
+    Ids: step ``offset`` of the chunk claimed with ticket ``t`` is ``t *
+    chunk_size + offset``.  Tickets only grow, so an id never names another
+    step; it is stale once its chunk's ticket changed (or the chunk is being
+    recycled).  docs/design.md ("Priorities") has the protocol.
+    """
+
+    def __init__(self, ring: "Ring"):
+        lay = ring.layout
+        self.ring, self.mm, self.k = ring, ring.mm, lay.chunk_size
+        self.block = lay.priority_block
+        self._max_off = COUNTERS["max_priority"]
+        self._prev_off = lay.priority_prev_offset
+        # The geometry _prio.c works with, all from _layout.
+        self.geometry = (lay.chunks_offset, lay.n_chunks, lay.chunk_size, lay.capacity,
+                         CHUNK_ENTRY, CHUNK_FIELDS["state"], CHUNK_FIELDS["count"],
+                         CHUNK_FIELDS["next"], CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["ticket"],
+                         16, NO_SLOT, lay.column(PRIORITY_COLUMN).offset,
+                         lay.priority_blocks_offset, lay.priority_prev_offset, lay.priority_block,
+                         lay.blocks_per_chunk, lay.n_chunks * lay.blocks_per_chunk,
+                         self._max_off, COUNTERS["ticket"], lay.priority_trees)
+        self.exponents = tuple(e for e, _ in lay.priority_trees)
+
+    # -- writers (once per chunk) --------------------------------------------------
+    def reset(self, chunk: int, ticket: int) -> None:
+        _prio.reset(self.mm, self.geometry, chunk, ticket)
+
+    def link_back(self, successor: int, chunk: int, chunk_seq: int) -> None:
+        off = self._prev_off + 16 * successor
+        atomic.store_release(self.mm, off + 8, chunk_seq)
+        atomic.store_release(self.mm, off, chunk + 1)
+
+    # -- ids -------------------------------------------------------------------------
+    def ids(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of the steps at physical ``rows`` (the caller re-checks the seqs after)."""
+        chunk = rows // self.k
+        tickets = self.ring.chunk_table[chunk, _TICKET].view(np.int64)
+        atomic.fence_acquire()
+        return tickets * self.k + (rows - chunk * self.k)
+
+    def of_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Priorities (float32) of the steps ``ids`` names now; NaN where an id is stale."""
+        flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
+        k, table = self.k, self.ring.chunk_table
+        ticket, off = np.divmod(np.maximum(flat, 0), k)
+        chunk = ticket % self.ring.layout.n_chunks
+        claimed = chunk < self.ring.claimed_chunks()   # no entry above it is read
+        chunk = np.where(claimed, chunk, 0)
+        state = table[chunk, _STATE].copy()
+        atomic.fence_acquire()
+        held = (claimed & (flat >= 0) & (off < self.ring.chunk_rows[chunk])
+                & (state >> np.uint64(32) & np.uint64(1) == 0)
+                & (table[chunk, _TICKET].view(np.int64) == ticket)
+                & (table[chunk, _COUNT].view(np.int64) > off))
+        value, _ = self.values(np.where(held, chunk * k + off, 0))
+        atomic.fence_acquire()
+        held &= table[chunk, _STATE] == state
+        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
+
+    # -- values ----------------------------------------------------------------------
+    def largest(self) -> float:
+        """The largest priority ever set, or 1.0 before any."""
+        top = self.largest_set()
+        return 1.0 if top is None else top
+
+    def largest_set(self) -> float | None:
+        """The largest priority ever set, or None before any."""
+        word = atomic.load_acquire(self.mm, self._max_off)
+        return float(np.uint32(word & _U32).view(np.float32)) if word >> 32 & 1 else None
+
+    def raise_largest(self, value: float) -> None:
+        """Make the largest-ever priority at least ``value`` (restoring a checkpoint)."""
+        want = 1 << 32 | int(np.float32(value).view(np.uint32))
+        while True:
+            old = atomic.load_acquire(self.mm, self._max_off)
+            if old >= want or atomic.compare_exchange(self.mm, self._max_off, old, want):
+                return
+
+    def update(self, ids: np.ndarray, values: np.ndarray) -> int:
+        """Set the priorities of the held steps among ``ids`` (int64) to ``values``
+        (float32, finite, >= 0); return how many were held."""
+        return _prio.update(self.mm, self.geometry, ids, values)
+
+    def values(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(priority float32, set-in-this-claim bool) of the steps at committed ``rows``."""
+        out = np.empty(len(rows), np.float32)
+        explicit = np.empty(len(rows), np.uint8)
+        _prio.values(self.mm, self.geometry, np.ascontiguousarray(rows, np.int64), out, explicit)
+        return out, explicit.astype(bool)
+
+    def saved(self, base: int, count: int) -> np.ndarray:
+        """Rows ``[base, base + count)`` of one chunk for a checkpoint: the priority set
+        in this claim, NaN where none was (float32)."""
+        value, explicit = self.values(np.arange(base, base + count, dtype=np.int64))
+        value[~explicit] = np.nan
+        return value
+
+    def restore(self, rows: np.ndarray, saved: np.ndarray) -> None:
+        """Set the steps at committed ``rows`` to ``saved`` (a checkpoint's; NaN: never set)."""
+        keep = ~np.isnan(saved)
+        self.update(np.ascontiguousarray(self.ids(rows[keep])),
+                    np.ascontiguousarray(saved[keep], np.float32))
+
+    # -- the draw --------------------------------------------------------------------
+    def tree_for(self, exponent: float) -> int:
+        """The tree a draw with ``exponent`` proposes from (largest exponent <= it), or -1."""
+        fits = [i for i, e in enumerate(self.exponents) if e <= exponent]
+        return fits[-1] if fits else -1
+
+    def mass(self, tree: int, largest: float) -> float:
+        """Tree ``tree``'s total weight with never-set blocks bounded by ``largest``."""
+        return _prio.mass(self.mm, self.geometry, tree, largest)
+
+    def propose(self, raw: np.ndarray, length: int, tree: int, largest: float) -> np.ndarray:
+        """Candidate start rows (-1: none) from ``2 n`` raw words; see ``_prio.propose``."""
+        starts = np.empty(len(raw) // 2, np.int64)
+        _prio.propose(self.mm, self.geometry, raw, length, tree, largest, starts)
+        return starts
+
+    def score_ratio(self, rows: np.ndarray, exponent: float, maxfrac: float, largest: float,
+                    tree: int) -> tuple[np.ndarray, np.ndarray]:
+        """(score, score / proposal bound) of each located window (``tree`` -1: uniform
+        proposals); see ``_prio.score_ratio``."""
+        score = np.empty(len(rows), np.float64)
+        ratio = np.empty(len(rows), np.float64)
+        _prio.score_ratio(self.mm, self.geometry, np.ascontiguousarray(rows, np.int64),
+                          exponent, maxfrac, largest, tree, score, ratio)
+        return score, ratio
+
+    # -- upkeep ----------------------------------------------------------------------
+    def repair(self) -> None:
+        """Recompute the whole tree from the block words (after a process died mid-update)."""
+        _prio.repair(self.mm, self.geometry)
+
+    def leaf_bounds(self, tree: int) -> np.ndarray:
+        """Each block's bound as tree ``tree``'s leaves hold it now (float64; tests)."""
+        exponent, levels = self.ring.layout.priority_trees[tree]
+        at, n = levels[0]
+        leaves = np.frombuffer(self.mm, np.uint64, n, at).copy()
+        atomic.fence_acquire()
+        value = (leaves & np.uint64(_U32)).astype(np.uint32).view(np.float32).astype(np.float64)
+        default = (leaves >> np.uint64(40)) != 0
+        return np.where(default, self.largest() ** exponent, value)
+
+    def stale_nodes(self) -> tuple[int, int]:
+        """(leaves, nodes) that disagree with what they summarise right now."""
+        return _prio.stale_nodes(self.mm, self.geometry)

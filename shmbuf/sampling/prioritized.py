@@ -1,0 +1,134 @@
+"""``Prioritized``'s draw and total score over a buffer's shared priorities.
+
+A window's score is ``(maxfrac * max + (1 - maxfrac) * mean) ** exponent``
+of its steps' priorities; ``draw`` returns windows with probability
+proportional to it among the windows that could start now, by rejection:
+
+- a proposal picks a block of a sum tree in proportion to its bound (the
+  largest priority set in it, or the largest ever where a step was never
+  set, to the tree's exponent ``e0``: the largest of ``TREE_EXPONENTS`` that
+  is at most ``exponent``), then one of the ``block + length - 1`` stream
+  positions whose window touches the block, uniformly (``_prio.propose``);
+  a start is so proposed with weight ``mu`` = the sum of the bounds of the
+  blocks its window touches;
+- the window is located and checked by the C window pass like any other;
+- it is accepted with probability ``score / (mu * largest ** (exponent -
+  e0))`` (``_prio.score_ratio``), which is at most 1 because the block
+  holding the window's largest priority is among those summed.
+
+Accepted windows are independent and exactly distributed by score (up to
+float32 rounding of the tree).  Exponents below every tree's cannot be
+bounded by a tree: they propose starts uniformly and accept with
+``score / largest ** exponent``.  When a few rounds cannot fill the batch
+(a fresh buffer: few of the proposed positions hold a window yet), every
+committed row is scored and the rest is drawn from those scores.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._errors import NotEnoughDataError
+from .windows import Windows, joined
+
+_ROUNDS = 5
+_MAX_PROPOSALS = 1 << 18
+# Accepted / proposed in this process's last first round, per (length, tail, exponent, maxfrac).
+_acceptance: dict = {}
+
+
+def check(buffer) -> None:
+    """Raise ValueError unless ``buffer`` keeps per-step priorities."""
+    if not buffer.priorities:
+        raise ValueError(f"select=Prioritized(...) needs a buffer made with "
+                         f"create(..., priorities=True); {buffer.name!r} keeps no priorities")
+
+
+def _priorities(finder):
+    pri = finder.ring.priorities
+    if pri is None:
+        raise ValueError("select=Prioritized(...) needs a buffer made with priorities=True")
+    return pri
+
+
+def _propose(finder, pri, rng, size: int, length: int, top: float, tree: int) -> np.ndarray:
+    if tree >= 0:
+        return pri.propose(rng.bit_generator.random_raw(2 * size), length, tree, top)
+    span = finder.ring.claimed_rows()
+    return rng.integers(0, span, size, dtype=np.int64) if span else np.empty(0, np.int64)
+
+
+def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: float) -> Windows:
+    """``n`` windows drawn in proportion to their score (``sampling.Windows``).
+
+    Raises:
+        NotEnoughDataError: no window that could start now has a positive score.
+    """
+    pri = _priorities(finder)
+    top = pri.largest()   # one value for the whole draw: never-set steps and every bound
+    tree = pri.tree_for(exponent)
+    found, need = [], n
+    key = (length, tail, exponent, maxfrac)
+    rate = _acceptance.get(key, 0.25)
+    for round_ in range(_ROUNDS):
+        # Sized by the acceptance seen last time in this process (a guess only: the
+        # proposals are independent whatever their number), with room to spare so
+        # that one round usually does, and growing 4x per round after it.
+        size = min(int(need / max(rate, 0.01) * 1.5 + 16) << 2 * round_, _MAX_PROPOSALS)
+        raw = _propose(finder, pri, rng, size, length, top, tree)
+        starts = raw[raw >= 0]
+        w = finder.locate(starts, length, tail, len(starts))
+        _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree)
+        accepted = np.flatnonzero(rng.random(len(ratio)) < ratio)
+        if round_ == 0:
+            _acceptance[key] = max(len(accepted), 1) / size
+        take = accepted[:need]
+        found.append(Windows(w.rows[take], w.chunks[take], w.seqs[take]))
+        need -= len(take)
+        if not need:
+            return joined(found)
+    found.append(_enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top))
+    return joined(found)
+
+
+def _enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top) -> Windows:
+    """``need`` windows drawn by score from every valid start (a fresh or sparse buffer)."""
+    starts = finder.ring.committed_rows()
+    w = finder.locate(starts, length, tail, len(starts))
+    score, _ = pri.score_ratio(w.rows, exponent, maxfrac, top, -1)
+    total = score.sum()
+    if not len(score) or not total > 0:
+        raise NotEnoughDataError(
+            f"no window of length {length} (tail {tail}) with a positive priority score can "
+            f"start now: {len(starts)} committed steps, {len(score)} valid starts; wait for "
+            "more steps or set some priorities above 0")
+    pick = rng.choice(len(score), need, p=score / total)
+    return Windows(w.rows[pick], w.chunks[pick], w.seqs[pick])
+
+
+def total(buffer, length: int, tail: int, exponent: float, maxfrac: float, rng,
+          probes: int = 4096) -> float:
+    """The sum of the scores of the windows ``(length, tail)`` that could start now.
+
+    Exact while at most ``probes`` rows have been claimed; otherwise an
+    unbiased estimate from ``probes`` proposals of the draw (the mean of
+    ``score / proposal weight`` times the proposals' total weight), at a cost
+    that does not grow with the capacity.
+    """
+    finder = buffer._parts.finder
+    pri = _priorities(finder)
+    top = pri.largest()
+    ring = finder.ring
+    if ring.claimed_rows() <= probes:
+        w = finder.locate(ring.committed_rows(), length, tail, ring.claimed_rows())
+        return float(pri.score_ratio(w.rows, exponent, maxfrac, top, -1)[0].sum())
+    tree = pri.tree_for(exponent)
+    starts = _propose(finder, pri, rng, probes, length, top, tree)
+    kept = starts >= 0
+    w = finder.locate(starts[kept], length, tail, int(kept.sum()))
+    _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree)
+    if tree >= 0:
+        weight = (pri.mass(tree, top) * (pri.block + length - 1)
+                  * top ** (exponent - pri.exponents[tree]))
+    else:
+        weight = ring.claimed_rows() * top ** exponent
+    return float(weight * ratio.sum() / probes)

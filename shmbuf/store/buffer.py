@@ -1,0 +1,425 @@
+"""The shared step store: one buffer of named columns in one POSIX segment."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+from .._args import check_int
+from .._errors import WaitTimeoutError
+from .._registry import register
+from ..posix import signals as _signals
+from ..posix.procs import my_start_time
+from ..posix.space import check_fits
+from ..posix.wait import check_timeout, poll
+from ..protocol.header import owner_alive, owner_record
+from ..protocol.layout import KIND_STORE, Layout, encode_header, encode_meta, plan
+from ..protocol.ring import Ring
+from ..sampling.rng import ProcessRandom
+from ..sampling.windows import WindowFinder
+from ..segment.lifecycle import Shared
+from ..segment.pages import ChunkPages
+from ..segment.segment import SHM_DIR, Segment, column_views, generate_name, validate_name
+from ..writing.ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
+from ..writing.parts import StoreParts
+from ..writing.writer import Writer
+from .checkpoints import Checkpoints
+from .reads import Reads
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """Counters of a buffer, read from its header by any attached process.
+
+    Steps are numbered in global write order: ``oldest_step`` and
+    ``newest_step`` bound the live ones.  ``reserved_bytes`` is how much of
+    /dev/shm the segment holds now, of its ``total_bytes`` at full capacity
+    (pages are reserved as chunks are first claimed).  Counts taken while writers join,
+    leave or die may be off by the steps of that one writer for an instant.
+    """
+
+    name: str
+    capacity: int
+    chunk_size: int
+    n_chunks: int
+    steps_written: int
+    live_steps: int
+    episodes: int
+    oldest_step: int
+    newest_step: int
+    chunks_in_use: int
+    writers: int
+    streams: int
+    samples: int
+    owner_pid: int
+    owner_alive: bool
+    rate: RateStats | None = None   # the rate limiter's counters, if the buffer has one
+    reserved_bytes: int = 0
+    total_bytes: int = 0
+
+
+class Buffer(Reads, Checkpoints, Shared):
+    """A replay buffer in shared memory; make one with ``create`` or ``attach``.
+
+    Pickling a buffer sends its name: the receiving process attaches to the
+    same live memory and never unlinks it.
+    """
+
+    _savers: set = frozenset()  # type: ignore[assignment]  # running Savers; class default, so close() works early
+
+    def __init__(self, segment: Segment, layout: Layout, owner: tuple[int, int], meta: dict,
+                 seed=None, mapped: bool = False):
+        self._layout = layout
+        self._owner_pid, self._owner_start = owner
+        self._meta = meta
+        self._ring = Ring(segment.mmap, layout, segment.name, segment.space)
+        self._space = segment.space  # the bytes reserved, for stats()
+        self._views = column_views(segment, layout, layout.columns)
+        self._finder = WindowFinder(self._ring)
+        self._limiter = Limiter.of(self._ring.rate, segment.name,
+                                   pid_check(self._ring, self._check_open))
+        self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
+        self._pages = ChunkPages(segment.mmap, layout, mapped)
+        self._savers = set()
+        self._open(segment)
+
+    @property
+    def _parts(self) -> StoreParts:
+        """The working parts that saving, checkpoints and the feeds use (``StoreParts``).
+
+        Made on each call, never kept: a kept one would hold this buffer
+        (through ``writer``) and stop a dropped owner from unlinking at once.
+        """
+        return StoreParts(self._ring, self._views, self._finder, self._limiter, self._random,
+                          self._owner_pid, self._writer)
+
+    # -- identity -----------------------------------------------------------
+    @property
+    def capacity(self) -> int:
+        """Steps the buffer holds before the oldest are recycled."""
+        return self._layout.capacity
+
+    @property
+    def chunk_size(self) -> int:
+        return self._layout.chunk_size
+
+    @property
+    def spec(self) -> dict:
+        """``{column: (shape, dtype)}``, as given to ``create``."""
+        return self._layout.spec()
+
+    @property
+    def meta(self) -> dict:
+        """The JSON metadata given to ``create`` (facades keep their parameters here)."""
+        return dict(self._meta)
+
+    def next_serial(self) -> int:
+        """A buffer-wide serial number, unique across all processes (0, 1, 2, ...)."""
+        self._check_open()
+        return self._ring.bump("serial")
+
+    @property
+    def done_key(self) -> str | None:
+        lay = self._layout
+        return lay.columns[lay.done_column].name if lay.done_column >= 0 else None
+
+    def __len__(self) -> int:
+        """Live steps right now (cheap: one pass over the chunk counts)."""
+        self._check_open()
+        return self._ring.live_steps()
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Zero-copy numpy views of each column's raw storage, ``(capacity, *shape)``.
+
+        Raw: rows are in no time order, streams interleave chunk by chunk,
+        rows that hold no step (or a recycled one) are included, and a writer
+        recycling a chunk may rewrite its rows at any moment.
+        ``committed_rows()`` lists the rows that hold a step right now.  For
+        ordered, validated reads use ``sample_*``, ``iter_episodes`` or
+        ``state_dict``.
+        """
+        self._check_open()
+        return {c.name: self._views[c.name] for c in self._layout.user_columns}
+
+    @property
+    def tensors(self) -> dict:
+        """Zero-copy torch views of the same raw storage as ``arrays`` (imports torch)."""
+        import torch
+
+        return {k: torch.from_numpy(v) for k, v in self.arrays.items()}
+
+    # -- writing --------------------------------------------------------------
+    def writer(self) -> Writer:
+        """Claim a writer slot and return a ``Writer`` for this process.
+
+        Example:
+            >>> w = buf.writer()
+            >>> w.add(obs=o, action=a, reward=r, done=d)
+        """
+        return self._writer(limited=True)
+
+    def _writer(self, limited: bool) -> Writer:
+        """A writer; ``limited=False`` bypasses the rate limit (a restore's writers)."""
+        self._check_live()
+        limit = self._limiter if limited and self._limiter and self._limiter.block_writers \
+            else None
+        return Writer(self._ring, self._views, self._check_open, self._pages.populate, limit)
+
+    @property
+    def rate_limit(self) -> RateLimit | None:
+        """The ``RateLimit`` the buffer was created with (every process sees it), or None."""
+        return None if self._limiter is None else self._limiter.limit()
+
+    def wait_ready(self, min_steps: int = 1, timeout: float | None = None) -> int:
+        """Block until at least ``min_steps`` steps are live; return the count.
+
+        It counts steps, not windows: a sample of long windows can still raise
+        NotEnoughDataError if the live steps lie in short episodes.
+
+        Raises:
+            WaitTimeoutError: ``timeout`` seconds passed first.
+            ValueError: ``min_steps`` exceeds the capacity (it could never be met).
+
+        Example:
+            >>> buf.wait_ready(min_steps=5_000, timeout=60)
+        """
+        self._check_live()
+        min_steps = check_int("min_steps", min_steps, 1, self._layout.capacity)
+        timeout = check_timeout(timeout)
+        ring = self._ring
+
+        def ready():
+            ring.check_open(os.getpid())  # a worker waiting on a closed buffer stops
+            live = ring.live_steps()
+            return live if live >= min_steps else None
+
+        return poll(ready, timeout, lambda: WaitTimeoutError(
+            f"buffer {self.name!r} holds {ring.live_steps()} live steps after {timeout} s; "
+            f"wait_ready wanted {min_steps}. Are the writers running?"))
+
+    def _check_live(self) -> None:
+        """Closed here, or by the owner (or ``shmbuf rm``) in another process: raise."""
+        self._check_open()
+        self._ring.check_open(os.getpid())
+
+    def stats(self) -> Stats:
+        """A snapshot of the header counters (see ``Stats``)."""
+        self._check_open()
+        lay = self._layout
+        c = self._ring.counts()  # in the one order that keeps them consistent
+        return Stats(self.name, lay.capacity, lay.chunk_size, lay.n_chunks, c.written,
+                     c.live, c.episodes, c.evicted, c.written - 1, c.chunks_in_use,
+                     len(self._ring.live_writers()), c.streams, c.samples,
+                     owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
+                     None if self._limiter is None else self._limiter.stats(),
+                     self._space.reserved_bytes() if self._space else 0, lay.total_bytes)
+
+    # -- episodes and rows ------------------------------------------------------------
+    def committed_rows(self) -> np.ndarray:
+        """Physical rows of every committed step, chunk by chunk (int64, unordered in time).
+
+        Rows of ``arrays`` outside this set hold no step, or a recycled one.
+        """
+        self._check_open()
+        return self._ring.committed_rows()
+
+    def _closed_mark(self):
+        ring = getattr(self, "_ring", None)
+        return None if ring is None else ring.mark
+
+    def _release(self) -> None:
+        _signals.forget(self)
+        for saver in list(self._savers):
+            saver.close()  # saves what is left, while the mapping is still ours
+        # Closed: never read again.  Dropping every reference to the views lets the mapping go.
+        self._views = self._ring = self._finder = None  # type: ignore[assignment]
+
+    @classmethod
+    def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
+                      handle_signals: bool | None = None):
+        """The Buffer over an attached step-store segment (the registry's way in); closes it on refusal."""
+        try:
+            return from_segment(segment, layout, owner, seed, own, handle_signals)
+        except BaseException:
+            segment.close()
+            raise
+
+    def __reduce__(self):
+        return _reattach, (self.name, self._random.seed)
+
+    def __repr__(self):
+        state = "closed" if self._closed else f"capacity={self.capacity}"
+        return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
+
+
+def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,
+           max_writers: int = 128, done_key: str | None = "done", seed=None,
+           prefault: bool = False, overcommit: bool = False, meta: dict | None = None,
+           episode_slots: int | None = None, handle_signals: bool | None = None,
+           rate_limit: RateLimit | None = None, priorities: bool = False) -> Buffer:
+    """Create a buffer in a new shared-memory segment; the caller owns it.
+
+    Args:
+        spec: ``{column: (per-step shape, numpy dtype)}``.
+        capacity: steps held before the oldest chunk is recycled.
+        name: segment name (letters, digits, ``._-``); generated if None.
+        chunk_size: steps per chunk; default ``min(512, capacity // 64)``, at least 1.
+        max_writers: writer objects that may be open at once.
+        done_key: the scalar column whose true value ends an episode (a bool
+            or integer column, or a float one holding exactly 0 or 1).  It
+            must be in ``spec``: the default ``"done"`` too.  Only an
+            explicit None makes a buffer without episodes.
+        seed: seed of the buffer's random streams: every process that samples
+            draws its own stream, a function of ``seed`` and of the process
+            (this one, a DataLoader worker, another child); fresh OS entropy
+            if None.  See ``shmbuf.sampling.rng``.
+        prefault: reserve every page of /dev/shm now and map it into this
+            process, so that a /dev/shm too small for the whole buffer fails
+            here.  Default False: pages are reserved as writers first claim
+            each chunk (like ``np.empty``, the buffer takes memory as it
+            fills), and a full /dev/shm raises ``SharedMemoryFullError`` at
+            that claim.  Either way, writers in other processes map each
+            chunk's pages with one call when they claim it.
+        overcommit: allow a capacity larger than the whole /dev/shm
+            filesystem (it can never be filled: writers get
+            ``SharedMemoryFullError`` when /dev/shm runs out).  Default
+            False: such a capacity is refused here.
+        meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
+        episode_slots: finished episodes the episode index remembers
+            (``episodes()``, ``uniform="episodes"``); default
+            ``capacity // 8`` within 1024 and 4M (at most the capacity),
+            64 bytes each.
+        handle_signals: None (default): install shmbuf's SIGTERM handler if
+            this is the main thread and SIGTERM has its default action, so
+            that SIGTERM unwinds, unlinks the buffer, and then ends the
+            process by SIGTERM; True: also chain a handler already in place;
+            False: install nothing (the program handles signals itself).
+            SIGINT is never touched.  Details: ``shmbuf.posix.signals``.
+        rate_limit: a ``shmbuf.RateLimit`` that holds the train ratio
+            (replayed steps per inserted step) for every process attached to
+            the buffer: samples wait for inserts, and writers for samples
+            (see ``shmbuf.writing.ratelimit``).  None (default): no limit.
+        priorities: keep one float priority per step in the segment, seen by
+            every attached process (``update_priorities``,
+            ``select=Prioritized(...)``, ``sample_sequences(..., ids=True)``).
+            It costs 8 bytes per step and about 0.2 bytes per step of tree.
+
+    Returns:
+        The owning ``Buffer``; closing it (or dropping it, or exiting, or
+        SIGTERM) marks it closed, so writers in other processes stop with
+        BufferClosedError, and unlinks the segment.
+
+    Raises:
+        ValueError / TypeError: a bad argument, before any system call (a
+            ``done_key`` that is not in ``spec`` among them).
+        SegmentExistsError: ``name`` is taken.
+        SharedMemoryFullError: the capacity exceeds the size of /dev/shm
+            (see ``overcommit``), or /dev/shm has too little free space for
+            the header (for all of it, with ``prefault``); nothing is left
+            behind.
+
+    Example:
+        >>> spec = {"obs": ((3, 64, 64), np.uint8), "done": ((), np.bool_)}
+        >>> with shmbuf.create(spec, capacity=100_000) as buf:
+        ...     print(buf.name)
+    """
+    if not isinstance(priorities, bool):
+        raise TypeError(f"priorities must be True or False, got {priorities!r}")
+    layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
+                  done_key=done_key, episode_slots=episode_slots, priorities=priorities)
+    _signals.check(handle_signals)
+    rate = check_rate_limit(rate_limit)
+    for flag, value in (("prefault", prefault), ("overcommit", overcommit)):
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{flag} must be True or False, got {value!r}")
+    raw_meta = encode_meta(meta)
+    name = generate_name() if name is None else validate_name(name)
+    if not overcommit:
+        check_fits(name, layout.total_bytes, layout.columns[0].offset,
+                   sum(c.row_bytes for c in layout.columns), layout.capacity, SHM_DIR)
+    # The header and the writer slots are written by everyone: reserved now.
+    # The chunk table, the episode index and the rows follow the tickets (_ring).
+    segment = Segment.create(name, layout.total_bytes,
+                             reserve=None if prefault else layout.chunks_offset,
+                             populate=prefault)
+    try:
+        owner = (os.getpid(), my_start_time())
+        if layout.priorities and segment.space is not None and not prefault:
+            # Every process updates the bounds and trees: reserved now, like the header
+            # (about 0.4 bytes a step); the _p column is reserved chunk by chunk.
+            start = layout.priority_blocks_offset
+            segment.space.reserve(start, layout.total_bytes - start,
+                                  "the priority bounds and trees")
+        segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta,
+                                      None if rate is None else rate._words()))
+        buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
+    except BaseException:
+        segment.unlink()
+        segment.close()
+        raise
+    return _signals.watch_or_close(buf, handle_signals)   # SIGTERM unlinks an owner's
+
+
+# The name ``shmbuf.attach`` and ``shmbuf.load`` find a plain step store under.
+KIND = "Buffer"
+register(Buffer, KIND)
+
+
+def _reattach(name: str, seed) -> Buffer:
+    """Unpickling: attach, keeping the seed; the buffers unpickled in one process continue
+    one stream (a Pool's tasks never repeat each other), see _process_rng."""
+    buf = attach(name, seed=seed)
+    buf._random.shared = True
+    return buf
+
+
+def attach(name: str, *, seed=None, own: bool = False,
+           handle_signals: bool | None = None) -> Buffer:
+    """Attach to an existing buffer by name; the result never unlinks it, unless ``own``.
+
+    Args:
+        own: take the buffer over from an owner that died (SIGKILL, a crash):
+            this process becomes the owner, unlinks it at close and answers
+            for SIGTERM (``handle_signals`` as in ``create``).  The data and
+            the writers attached before the crash carry on.  One
+            compare-and-swap on the header's owner record decides, so of two
+            restarted trainers exactly one wins.
+
+    Raises:
+        SegmentNotFoundError: no segment has that name.
+        CorruptSegmentError / LayoutVersionError: it is not a readable shmbuf buffer.
+        BufferClosedError: its owner closed it (it is being removed).
+        OwnerAliveError: ``own=True`` and the recorded owner is alive (the
+            message names its pid), or a rival took it over first.
+
+    Example:
+        >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f")
+        >>> buf = shmbuf.attach("shmbuf-1a2b3c4d5e6f", own=True)  # after the trainer crashed
+    """
+    _signals.check(handle_signals)
+    segment = Segment.attach(name)
+    try:
+        layout, owner = segment.header(KIND_STORE)
+        return from_segment(segment, layout, owner, seed, own, handle_signals)
+    except BaseException:
+        segment.close()
+        raise
+
+
+def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: bool = False,
+                 handle_signals: bool | None = None) -> Buffer:
+    """The Buffer over an attached step-store ``segment`` (whose header was read).
+
+    Refuses a buffer its owner closed; with ``own``, adopts it first.
+    """
+    segment.admit(own)
+    buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
+    if own and buf._ring.priorities is not None:
+        buf._ring.priorities.repair()   # the dead owner may have died inside an update
+    return _signals.watch_or_close(buf, handle_signals) if own else buf
