@@ -10,6 +10,7 @@ import multiprocessing as mp
 import multiprocess
 import numpy as np
 import pytest
+from helpers.pools import bounded_pool
 from helpers.trainer_workers import COUNTER_SPEC, draw_steps, draw_steps_pool, fill_counter
 
 import shmbuf
@@ -79,7 +80,7 @@ def test_the_owner_stream_is_the_seed_itself(make_buffer):
 def test_multiprocess_pool_children_differ_and_follow_the_seed(make_buffer):
     buf = make_buffer(COUNTER_SPEC, 4000, seed=3)
     fill_counter(buf, 4000)
-    with multiprocess.get_context("fork").Pool(3) as pool:
+    with bounded_pool(multiprocess.get_context("fork"), 3) as pool:
         got = pool.map_async(draw_steps_pool, [(buf, 16)] * 6, chunksize=1).get(TIMEOUT)
     by_pid = {}
     for pid, batch in got:
@@ -99,7 +100,7 @@ def test_forked_pool_with_an_inherited_buffer(make_buffer):
     global _INHERITED
     _INHERITED = buf
     try:
-        with mp.get_context("fork").Pool(3) as pool:
+        with bounded_pool(mp.get_context("fork"), 3) as pool:
             got = pool.map_async(_inherited_draw, range(3), chunksize=1).get(TIMEOUT)
     finally:
         _INHERITED = None

@@ -10,6 +10,7 @@ import multiprocessing
 
 import numpy as np
 import pytest
+from helpers.pools import bounded_pool
 from helpers.select_workers import SPEC, draw_starts, fill
 from helpers.stats import chi2_pvalue
 
@@ -192,14 +193,10 @@ def test_draws_spread_over_processes_follow_the_formulas(filled):
                          0.5 * uniform_probs(c) + 0.3 * age_bucket_probs(c, ages)
                          + 0.2 * recency_probs(c, 1.0))}
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(2) as pool:
-        try:
-            jobs = {k: [pool.apply_async(draw_starts, (buf, sel, 100 + i, 100, 50, LENGTH))
-                        for i in range(2)] for k, (sel, _) in cases.items()}
-            got = {k: np.concatenate([j.get(timeout=120) for j in js]) for k, js in jobs.items()}
-        finally:
-            pool.terminate()
-            pool.join()
+    with bounded_pool(ctx, 2) as pool:
+        jobs = {k: [pool.apply_async(draw_starts, (buf, sel, 100 + i, 100, 50, LENGTH))
+                    for i in range(2)] for k, (sel, _) in cases.items()}
+        got = {k: np.concatenate([j.get(timeout=120) for j in js]) for k, js in jobs.items()}
     for k, (_, probs) in cases.items():
         assert fit(c, got[k], probs) > P_MIN, k
 
