@@ -7,7 +7,9 @@ blocks.  Markers on the line before a block:
 - ``<!-- no-run -->``: a deliberate fragment (it needs a cluster, a GPU, a
   network download or names it does not define); it is only compiled.
 - ``<!-- prelude -->``: runs before every later block of the same page.
-- ``<!-- slow -->``: the block takes more than about a quarter second.
+
+Every runnable block is marked slow: most make a buffer of real pixel frames,
+and several start worker processes.
 
 A block with ``if __name__ == "__main__":`` runs as a script in a child process
 (spawned workers re-import the main module, which an exec'd block has not); any
@@ -28,7 +30,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 FENCE = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.M | re.S)
-MARKER = re.compile(r"<!--\s*(no-run|prelude|slow)\s*-->")
+MARKER = re.compile(r"<!--\s*(no-run|prelude)\s*-->")
 SHM = "/dev/shm"
 
 
@@ -48,8 +50,7 @@ def _blocks(page: pathlib.Path):
 def _cases():
     for page in PAGES:
         for line, code, markers, preludes in _blocks(page):
-            marks = [pytest.mark.slow] if markers & {"slow", "prelude"} or preludes or \
-                "__main__" in code else []
+            marks = [] if "no-run" in markers else [pytest.mark.slow]
             yield pytest.param(page, line, code, markers, preludes,
                                id=f"{page.relative_to(ROOT)}:{line}", marks=marks)
 
