@@ -1,47 +1,141 @@
-"""The README's claims that the code can check: they must say what the code does.
+"""The claims of the README and the guides that the code can check: they must say what the code does.
 
-Each check reads the claim's source of truth (setup.cfg, the CLI's own
-message, the writer's docstring) rather than repeating a hard-coded copy.
+Each check reads the claim's source of truth (setup.cfg, .ci/run, the CLI's own
+message, the package's ``__all__``) rather than repeating a hard-coded copy, and
+reads the claim from the file that now holds its text (the README keeps the
+pitch and the API block; the guides under docs/ keep the rest).
 """
 import configparser
 import inspect
 import pathlib
 import re
 
+import shmbuf
 from shmbuf import cli
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def _guide(name: str) -> str:
+    return (DOCS / name).read_text()
+
+
+def _extra(name: str) -> list[str]:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return [r.strip() for r in cfg["options.extras_require"][name].splitlines() if r.strip()]
 
 
 def _test_extra_torch() -> str:
-    cfg = configparser.ConfigParser()
-    cfg.read(ROOT / "setup.cfg")
-    reqs = [r.strip() for r in cfg["options.extras_require"]["test"].splitlines() if r.strip()]
-    return next(r for r in reqs if r.startswith("torch"))
+    return next(r for r in _extra("test") if r.startswith("torch"))
+
+
+def test_the_readme_fits_on_a_few_screens():
+    assert len(README.splitlines()) <= 250
+
+
+def test_the_readme_setup_commands_are_the_ones_ci_runs():
+    # The first screen holds exactly the two set-up commands; the second is what .ci/run does.
+    first = README.split("## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", first, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["pip install -e . && python examples/quickstart.py",
+                        "pip install -e '.[test]' && python -m pytest -q"], commands
+    assert (ROOT / "examples" / "quickstart.py").is_file()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "pip install -e '.[test]'" in ci and "python -m pytest -q" in ci
+    assert ci.index("pip install -e '.[test]'") < ci.index("python -m pytest -q")
+    assert "mkdocs build --strict" in ci, ".ci/run must build the docs strictly"
+
+
+def test_the_torch_caveat_is_one_line_in_the_readme_with_a_link_to_the_guide():
+    torch_req = _test_extra_torch()
+    lines = [line for line in README.splitlines() if f"`{torch_req}`" in line]
+    assert len(lines) == 1, "the caveat is one line"
+    assert "(docs/installation.md#the-torch-caveat)" in lines[0]
+    assert "## The torch caveat" in _guide("installation.md")
 
 
 def test_the_test_command_says_what_torch_it_pulls_and_how_to_keep_yours():
-    torch_req = _test_extra_torch()
-    i = README.index("pip install -e '.[test]'")
-    note = README[i:i + 1500]
-    assert f"`{torch_req}`" in note, f"the note after the test command must name {torch_req}"
+    # The caveat in full lives in docs/installation.md.
+    text = _guide("installation.md")
+    i = text.index("## The torch caveat")
+    note = text[i:i + 1500]
+    assert f"`{_test_extra_torch()}`" in note, "the caveat must name the test extra's torch"
+    assert "pip install -e '.[test]'" in note
     assert "GB" in note and "install it before the extra" in note
     assert re.search(r"-c constraints\.txt", note), "show the constraints-file route"
 
 
+def test_the_docs_extra_is_in_the_test_extra_and_the_readme_says_how_to_build():
+    docs = _extra("docs")
+    assert any(r.startswith("mkdocs-material") for r in docs)
+    assert any(r.startswith("mkdocstrings[python]") for r in docs)
+    assert set(docs) <= set(_extra("test")), "CI installs .[test] and builds the docs"
+    for command in ("pip install -e '.[docs]'", "mkdocs build --strict", "mkdocs serve"):
+        assert command in README
+
+
+def test_the_api_block_names_every_public_name():
+    block = README[README.index("## API at a glance"):README.index("## Which class do I use")]
+    errors_page = _guide("reference/errors.md")
+    for name in shmbuf.__all__:
+        if name.endswith("Error"):
+            assert f"::: shmbuf.{name}" in errors_page, name
+        else:
+            assert re.search(rf"\b{name}\b", block), f"the README's API block lacks {name}"
+
+
 def test_gc_is_described_as_keeping_a_buffer_that_a_live_writer_uses():
-    # cmd_gc keeps a dead owner's buffer while writers live; the README must not say
-    # that gc marks such a buffer closed, and must quote what gc prints instead.
-    assert "marks it closed (its writers stop)" not in README
+    # cmd_gc keeps a dead owner's buffer while writers live; the crash table
+    # (docs/memory-and-crashes.md) must not say that gc marks such a buffer
+    # closed, and must quote what gc prints instead.
+    text = _guide("memory-and-crashes.md")
+    assert "marks it closed (its writers stop)" not in text
     printed = re.search(r'print\(f"(kept) \{info\.name\}: ', inspect.getsource(cli.cmd_gc))
     assert printed, "cmd_gc no longer prints 'kept NAME: ...'"
-    row = next(line for line in README.splitlines() if line.startswith("| the owner, SIGKILLed "
-                                                                       "and not restarted"))
+    row = next(line for line in text.splitlines() if line.startswith("| the owner, SIGKILLed "
+                                                                     "and not restarted"))
     assert "leaves it alone while a live writer still uses it" in row and "`kept NAME" in row
 
 
 def test_extend_is_not_sold_as_whole_episodes():
+    # The API block's line in the README; the explanation in docs/training-loop.md.
     line = next(line for line in README.splitlines() if line.startswith("Writer.extend("))
     assert "whole episodes" not in line
-    assert "killed inside `extend`" in README and "chunk-aligned prefix" in README
+    text = _guide("training-loop.md")
+    assert "killed inside `extend`" in text and "chunk-aligned prefix" in text
+
+
+def test_user_docs_carry_no_commit_hashes_issue_numbers_or_machine_notes():
+    pages = [ROOT / "README.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md",
+             *sorted(DOCS.glob("*.md"))]
+    for page in pages:
+        text = page.read_text()
+        for pattern in (r"\bcommits? [0-9a-f]{7,40}\b", r"\bissues? \d+", r"\bbranch \w*\d",
+                        r"\bthis (2-core )?VM\b", r"load average", r"/work/"):
+            found = re.search(pattern, text, re.I)
+            assert not found, f"{page.relative_to(ROOT)}: {found.group(0)!r}"
+
+
+def test_w1_is_defined_before_its_first_use_on_every_page():
+    for page in [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]:
+        text = page.read_text()
+        if "W1" not in text:
+            continue
+        first = text.index("W1")
+        definition = text[first:first + 400]
+        assert "obs (3,64,64) uint8" in definition.replace(", ", ",") or \
+            "obs (3, 64, 64)" in definition or '"obs": ((3, 64, 64), np.uint8)' in text[:first + 400], \
+            f"{page.relative_to(ROOT)}: W1 is used before it is defined"
+
+
+def test_every_figure_on_the_performance_page_names_its_benchmark():
+    text = _guide("performance.md")
+    for section in text.split("\n## ")[1:]:
+        title = section.splitlines()[0]
+        if re.search(r"\d+(\.\d+)?x\b|\bMB/s\b|\bsteps/s\b|\bus\b|\bms\b", section):
+            assert re.search(r"python benchmarks/\w+\.py", section), \
+                f"performance.md, '{title}': a figure without its benchmark command"
