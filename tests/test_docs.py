@@ -81,9 +81,11 @@ def test_block_runs(page, line, code, markers, preludes, tmp_path, monkeypatch):
             assert done.returncode == 0, f"{where} failed:\n{done.stderr[-4000:]}"
         else:
             namespace = {"__name__": "__docs__"}
-            exec(compile(source, where, "exec"), namespace)
-            namespace.clear()
-            gc.collect()
+            try:
+                exec(compile(source, where, "exec"), namespace)
+            finally:
+                namespace.clear()               # a failed block's handles go too
+                gc.collect()
     finally:
         named = (set(os.listdir(SHM)) - before) & _literal_names(source)
         for name in named:
