@@ -39,7 +39,7 @@ def test_the_readme_fits_on_a_few_screens():
 def test_the_readme_setup_commands_are_the_ones_ci_runs():
     # The first screen holds exactly the two set-up commands; the second is what .ci/run does.
     first = README.split("## ", 1)[0]
-    block = re.search(r"```bash\n(.*?)```", first, re.S).group(1)
+    block = re.search(r"```bash\n(.*?)```", first, re.DOTALL).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert commands == ["pip install -e . && python examples/quickstart.py",
                         "pip install -e '.[test]' && python -m pytest -q"], commands
@@ -116,7 +116,7 @@ def test_user_docs_carry_no_commit_hashes_issue_numbers_or_machine_notes():
         text = page.read_text()
         for pattern in (r"\bcommits? [0-9a-f]{7,40}\b", r"\bissues? \d+", r"\bbranch \w*\d",
                         r"\bthis (2-core )?VM\b", r"(?<![-\w])load (average )?(of )?\d", r"/work/"):
-            found = re.search(pattern, text, re.I)
+            found = re.search(pattern, text, re.IGNORECASE)
             assert not found, f"{page.relative_to(ROOT)}: {found.group(0)!r}"
 
 
