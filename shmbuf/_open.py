@@ -84,7 +84,8 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
             smaller one keeps the newest ``capacity`` steps, even when it is
             smaller than one saved chunk (that chunk loses its oldest steps).
             A facade's or HistoryBuffer's save keeps its own (pass None).
-        seed, handle_signals: as in ``create``.
+        seed: as in ``create``.
+        handle_signals: as in ``create``.
 
     Raises:
         FileNotFoundError: no directory at ``path``.

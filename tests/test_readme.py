@@ -1,4 +1,4 @@
-"""The claims of the README and the guides that the code can check: they must say what the code does.
+"""The claims of the README and the guides that the code can check: they say what it does.
 
 Each check reads the claim's source of truth (setup.cfg, .ci/run, the CLI's own
 message, the package's ``__all__``) rather than repeating a hard-coded copy, and
@@ -127,9 +127,10 @@ def test_w1_is_defined_before_its_first_use_on_every_page():
             continue
         first = text.index("W1")
         definition = text[first:first + 400]
-        assert "obs (3,64,64) uint8" in definition.replace(", ", ",") or \
-            "obs uint8 (3, 64, 64)" in definition or '"obs": ((3, 64, 64), np.uint8)' in text[:first + 400], \
-            f"{page.relative_to(ROOT)}: W1 is used before it is defined"
+        defined = ("obs (3,64,64) uint8" in definition.replace(", ", ",")
+                   or "obs uint8 (3, 64, 64)" in definition
+                   or '"obs": ((3, 64, 64), np.uint8)' in text[:first + 400])
+        assert defined, f"{page.relative_to(ROOT)}: W1 is used before it is defined"
 
 
 def test_every_figure_on_the_performance_page_names_its_benchmark():

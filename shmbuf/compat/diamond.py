@@ -183,7 +183,8 @@ class ReplayBuffer(Facade):
             name: the creator's ``rb.name``.
             seed: seed of this handle's own generator.
             device: where this handle's samples go; default the creator's device.
-            own, handle_signals: take over a buffer whose creator died (``Facade.attach``).
+            own: take over a buffer whose creator died (``Facade.attach``).
+            handle_signals: as in ``Facade.attach``.
 
         Raises:
             SegmentNotFoundError: no such segment.

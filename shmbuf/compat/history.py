@@ -514,7 +514,8 @@ class HistoryBuffer(Shared):
         Args:
             path: the save's directory (``save``).
             name: the new segment's name; generated if None.
-            seed, handle_signals: as in the constructor.
+            seed: as in the constructor.
+            handle_signals: as in the constructor.
 
         Raises:
             FileNotFoundError: no directory at ``path``.

@@ -108,8 +108,8 @@ class IRISReplayBuffer(TransitionFacade):
                 frames into uint8, a ``done`` other than 0 or 1); the message
                 names the argument.
             ValueError: a value has the wrong shape.
-            BufferClosedError: the buffer was closed in this process.
-            Nothing is written when any of these is raised.
+            BufferClosedError: the buffer was closed in this process (nothing
+                is written when any of these is raised).
 
         Example:
             >>> rb.add(np.zeros((3, 64, 64), np.uint8), np.zeros(6, np.float32), 0.0, False)

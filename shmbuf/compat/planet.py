@@ -95,8 +95,9 @@ class Memory(Facade):
             action repeat).  Sizes the store.
         obs_shape: per-step observation shape, e.g. ``(3, 64, 64)``.
         action_size: action vector length (a scalar action counts as 1).
-        obs_dtype, action_dtype: storage dtypes (float32); values that do
+        obs_dtype: storage dtype of observations (float32); values that do
             not fit losslessly (0.5 into uint8, say) are rejected.
+        action_dtype: storage dtype of actions (float32), checked the same way.
         max_sample_bytes: ``sample`` raises ``SampleTooLargeError`` rather
             than build a batch larger than this (the docs' 200 MiB).
         name: shared-memory name; generated if None.

@@ -285,8 +285,10 @@ def to_minari(buffer, dataset_id: str, *, episodes=None, observation_space=None,
         dataset_id: the new dataset's id, e.g. ``"cartpole/shmbuf-v0"``.
         episodes: episode-index numbers (``buffer.episodes().index``) to
             write; default every finished episode held, oldest first.
-        observation_space, action_space: default the ones ``from_minari``
-            recorded, else a Box over the ``obs`` / ``action`` column.
+        observation_space: default the one ``from_minari`` recorded, else a
+            Box over the ``obs`` column.
+        action_space: default the one ``from_minari`` recorded, else a Box
+            over the ``action`` column.
         description: the dataset's description.
 
     Returns:

@@ -128,8 +128,12 @@ def from_swm_hdf5(path, *, name: str | None = None, capacity: int | None = None,
 
     Args:
         path: the ``.h5`` file.
-        name, capacity, seed, progress, block_bytes: as in ``from_minari``
-            (a smaller capacity keeps the newest whole episodes and warns).
+        name: as in ``from_minari``.
+        capacity: as in ``from_minari`` (a smaller capacity keeps the newest
+            whole episodes and warns).
+        seed: as in ``from_minari``.
+        progress: as in ``from_minari``.
+        block_bytes: as in ``from_minari``.
         episodes: indices into ``ep_len`` to import (default all), in order.
         keys: the column datasets to import (default every one).
         done_key: the scalar column of terminations; None: none (every

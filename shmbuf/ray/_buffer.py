@@ -198,7 +198,10 @@ class ShardedBuffer:
         along the batch axis (shuffle before slicing the batch).
 
         Args:
-            batch_size, length, time_major, tail: as ``shmbuf.Buffer.sample_sequences``.
+            batch_size: as ``shmbuf.Buffer.sample_sequences``.
+            length: as ``shmbuf.Buffer.sample_sequences``.
+            time_major: as ``shmbuf.Buffer.sample_sequences``.
+            tail: as ``shmbuf.Buffer.sample_sequences``.
             out: optional dict of C-contiguous numpy arrays or CPU torch
                 tensors of the batch's shapes.
             rng: a ``np.random.Generator`` or seed for the split and the
@@ -261,8 +264,9 @@ class ShardedBuffer:
         call each (in parallel).  Ids of a shard that is gone are skipped.
 
         Args:
-            ids, priorities: as ``shmbuf.Buffer.update_priorities``; the ids
-                from this (or any) handle's ``sample_sequences(..., ids=True)``.
+            ids: as ``shmbuf.Buffer.update_priorities``; the ids from this (or
+                any) handle's ``sample_sequences(..., ids=True)``.
+            priorities: as ``shmbuf.Buffer.update_priorities``.
 
         Returns:
             How many entries named a held step.

@@ -23,7 +23,10 @@ class ReplayBuffer:
 
     Args:
         size: transitions held per shard.
-        obs_shape, action_size, seq_len, batch_size: as ``shmbuf.ReplayBuffer``.
+        obs_shape: as ``shmbuf.ReplayBuffer``.
+        action_size: as ``shmbuf.ReplayBuffer``.
+        seq_len: as ``shmbuf.ReplayBuffer``.
+        batch_size: as ``shmbuf.ReplayBuffer``.
         seed: seed of the sampler's generator.
         **create_kwargs: ``name``, ``namespace``, ``nodes``, ... of ``shmbuf.ray.create``.
 

@@ -122,7 +122,7 @@ class Checkpoints:
         ``load_state_dict`` rebuilds the same streams and episodes.  Taken
         while writers run it is a set of whole chunks (a chunk recycled while
         it is copied is left out, and its stream is split there).  It costs
-        one copy of the live steps in memory, no more (README, Training loop).
+        one copy of the live steps in memory, no more (the saving guide, "Checkpoints").
 
         Returns:
             ``{"format", "spec", "raw_bytes", "columns": {col: tensor (n, ...)},

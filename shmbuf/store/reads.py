@@ -83,7 +83,7 @@ class Reads:
             select: a sampling regime of ``shmbuf.select`` (``Uniform()``,
                 ``Recency(...)``, ``AgeBuckets(...)``, ``Prioritized(...)``,
                 ``Mixture(...)``); with ``uniform`` too, the two must agree
-                (``Uniform()`` is ``"steps"``).  README, "Sampling regimes".
+                (``Uniform()`` is ``"steps"``).  The sampling guide, "Sampling regimes".
             timeout: with a rate limit (``create(..., rate_limit=)``), the
                 seconds to wait for inserts (None: as long as it takes); the
                 batch takes its ``batch_size * length`` replayed steps from
@@ -277,10 +277,12 @@ class Reads:
         shared memory, so handing it to the trainer copies nothing more.
 
         Args:
-            batch_size, length, **sample_kwargs: as ``sample_sequences``
-                (``time_major``, ``tail``, ``uniform``, ``newest``, ``select``,
-                ``ids``: with ``ids=True`` each item carries ``"ids"`` too, for
-                ``update_priorities`` from the trainer).
+            batch_size: as ``sample_sequences``.
+            length: as ``sample_sequences``.
+            **sample_kwargs: as ``sample_sequences`` (``time_major``, ``tail``,
+                ``uniform``, ``newest``, ``select``, ``ids``: with ``ids=True``
+                each item carries ``"ids"`` too, for ``update_priorities`` from
+                the trainer).
             batches: batches per pass (an epoch), split over the workers;
                 None (default): endless.
             seed: the streams' seed (see ``create``); default this buffer's.
@@ -320,9 +322,11 @@ class Reads:
         the ``with`` block stops the thread after the batch in hand.
 
         Args:
-            batch_size, length, **sample_kwargs: as ``sample_sequences``
-                (``select``, ``ids``: with ``ids=True`` each batch carries
-                ``"ids"``, an int64 tensor on ``device``).
+            batch_size: as ``sample_sequences``.
+            length: as ``sample_sequences``.
+            **sample_kwargs: as ``sample_sequences`` (``select``, ``ids``: with
+                ``ids=True`` each batch carries ``"ids"``, an int64 tensor on
+                ``device``).
             depth: preallocated batches, >= 1 (2: one in use, one being made).
             device: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``; default CUDA when
                 available, else CPU.

@@ -166,8 +166,15 @@ class Writer:
                 row ``i`` goes to this writer's stream ``i``.  ``n_envs`` is
                 fixed by the first call.
 
+        A bad row rejects the whole batch, unwritten.
+
         Raises:
-            The same as ``add``; a bad row rejects the whole batch, unwritten.
+            KeyError: as in ``add``.
+            ValueError: as in ``add``, for any row.
+            TypeError: as in ``add``, for any row.
+            BufferClosedError: as in ``add``.
+            WaitTimeoutError: as in ``add``.
+            SharedMemoryFullError: as in ``add``.
 
         Example:
             >>> w.add_batch(obs=frames, action=acts, reward=rews, done=dones)  # (16, ...)
