@@ -78,6 +78,18 @@ def test_the_docs_extra_is_in_the_test_extra_and_the_readme_says_how_to_build():
         assert command in README
 
 
+def test_the_dependencies_section_names_every_package_of_every_extra():
+    section = README[README.index("## Dependencies"):]
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    names = ["numpy", "posix_ipc"]
+    for extra in ("torch", "test", "gym", "datasets", "ray", "docs"):
+        names += [re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0] for r in _extra(extra)]
+    for name in names:
+        assert f"`{name}" in section or f" {name}," in section or f" {name} " in section, \
+            f"the README's Dependencies section does not say why shmbuf needs {name}"
+
+
 def test_the_api_block_names_every_public_name():
     block = README[README.index("## API at a glance"):README.index("## Which class do I use")]
     errors_page = _guide("reference/errors.md")
