@@ -108,7 +108,7 @@ def bench_sampling(cfg, tracker, ctx) -> list[Row]:
         gather = lambda: _numpy_gather(arrays, rng, 50, 50)   # noqa: E731
         idle, busy, rate = _idle_busy_blocks(cfg, ctx, buf, sample, gather)
         pinned = _idle_busy_blocks(cfg, ctx, buf, sample, gather, pin=True) if can_pin else None
-        del arrays
+        arrays.clear()  # free the private copies before the page-size control
         pages = _page_size_control(cfg, buf.arrays["obs"])
     extra = {"live_steps_at_start": live, "writer_steps_per_s_while_adding": rate}
     label = "sample_sequences(50,50)"

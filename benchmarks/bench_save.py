@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -125,20 +126,20 @@ def main() -> None:
             shutil.rmtree(target, ignore_errors=True)
             (work / "plain.npy").unlink(missing_ok=True)
 
-        def plain():
-            np.save(work / "plain.npy", private)
+        def plain(data):
+            np.save(work / "plain.npy", data)
 
-        def disk():
+        def disk(data):
             with open(work / "plain.npy", "wb") as f:
-                f.write(memoryview(private).cast("B"))
+                f.write(memoryview(data).cast("B"))
                 f.flush()
                 os.fsync(f.fileno())
             fsync_dir(work)
 
         private = np.frombuffer(np.random.default_rng(1).bytes(nbytes), np.uint8)
         results["save"] = timed(lambda: buf.save(target), reps, clean)
-        results["plain"] = timed(plain, reps, clean)
-        results["disk"] = timed(disk, reps, clean)
+        results["plain"] = timed(partial(plain, private), reps, clean)
+        results["disk"] = timed(partial(disk, private), reps, clean)
         results["durable"] = timed(lambda: buf.save(target, durable=True), reps, clean)
         del private
         stop = ctx.Event()

@@ -182,17 +182,17 @@ def from_swm_hdf5(path, *, name: str | None = None, capacity: int | None = None,
 
 def _runs(lengths, offsets):
     """Back-to-back episodes merged: ``(start, end, episode ends)`` per run of rows."""
-    start = None
+    start = 0  # the open run's first row
+    ends: list[int] = []  # its episode ends; empty: no run open yet
     for length, off in zip(lengths.tolist(), offsets.tolist()):
-        if start is not None and off == end:
+        if ends and off == ends[-1]:
             ends.append(off + length)
-            end = off + length
             continue
-        if start is not None:
-            yield start, end, ends
-        start, end, ends = off, off + length, [off + length]
-    if start is not None:
-        yield start, end, ends
+        if ends:
+            yield start, ends[-1], ends
+        start, ends = off, [off + length]
+    if ends:
+        yield start, ends[-1], ends
 
 
 def _copy(writer, cols, path, lengths, offsets, done, block, bar) -> None:
