@@ -35,16 +35,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+import shmbuf
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-
-import numpy as np  # noqa: E402
+# The benchmark's own helpers import from this folder, so after the path line (E402).
 from _compare import backends as cb  # noqa: E402
-from _compare import report
+from _compare import report  # noqa: E402
 from _compare.base import Workload  # noqa: E402
 from _compare.latency import latency_rows  # noqa: E402
-
-import shmbuf  # noqa: E402
 
 SHM_DIR = "/dev/shm"
 RESULTS = HERE / "results"

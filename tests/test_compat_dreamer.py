@@ -176,7 +176,7 @@ def test_doc_training_loop_pattern():
             # Train on sampled sequences
             for _ in range(update_steps):
                 obs_batch, act_batch, rew_batch, term_batch = buffer.sample()
-                loss = world_model_train_step(obs_batch, act_batch, rew_batch, term_batch)
+                world_model_train_step(obs_batch, act_batch, rew_batch, term_batch)
             step += collect_steps  # not in the docs: their loop never advances ``step``
     assert len(losses) == 4
 

@@ -27,7 +27,9 @@ import pytest
 from helpers.workers import SPEC, step_for, verify_batch, write_steps
 
 import shmbuf
+from shmbuf.keyed import rings as keyed
 from shmbuf.protocol import layout as L
+from shmbuf.segment.segment import Segment
 
 SHM = "/dev/shm"
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -596,12 +598,10 @@ def test_tensors_share_memory_with_arrays(make_buffer):
     assert isinstance(tensors["obs"], torch.Tensor) and tensors["obs"].dtype == torch.uint8
     buf.close()
     with pytest.raises(shmbuf.BufferClosedError):
-        buf.tensors
+        _ = buf.tensors
 
 
 # -- one lifecycle for every kind: store, keyed rings, facades, HistoryBuffer ---------------
-from shmbuf.keyed import rings as keyed  # noqa: E402
-from shmbuf.segment.segment import Segment  # noqa: E402
 
 FRAME = (1, 2, 2)
 

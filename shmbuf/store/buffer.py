@@ -23,12 +23,11 @@ from ..sampling.windows import WindowFinder
 from ..segment.lifecycle import Shared
 from ..segment.pages import ChunkPages
 from ..segment.segment import SHM_DIR, Segment, column_views, generate_name, validate_name
-from ..writing.ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from ..writing.parts import StoreParts
+from ..writing.ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from ..writing.writer import Writer
 from .checkpoints import Checkpoints
 from .reads import Reads
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,6 @@ from ..writing.ratelimit import Limiter
 from ..writing.writer import Writer
 
 
-
 class Checkpoints:
     """Copies of a ``Buffer``'s live steps, in memory or on disk (see its docs)."""
 
