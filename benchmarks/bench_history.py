@@ -179,19 +179,19 @@ def run(cfg: Config) -> dict:
                 buf.append(info)
                 ref.append(info)
             checks[label] = same_output(buf.get(N), ref.get(N))
-            rows.append(measure(f"get(8), {label} in", lambda: buf.get(N), lambda: ref.get(N), cfg))
+            rows.append(measure(f"get(8), {label} in", lambda: buf.get(N), lambda: ref.get(N), cfg))  # noqa: B023 - measure() calls it at once
             subset = list(range(N_ENVS - 1, -1, -2))
-            rows.append(measure(f"get(8, 8 env_ids), {label}", lambda: buf.get(N, subset),
-                                lambda: ref.get(N, subset), cfg))
+            rows.append(measure(f"get(8, 8 env_ids), {label}", lambda: buf.get(N, subset),  # noqa: B023 - measure() calls it at once
+                                lambda: ref.get(N, subset), cfg))  # noqa: B023 - measure() calls it at once
             if not torch_in:
                 one = buf.get_view(N, 0) is not None
                 checks["get_view contiguous"] = one
                 if one:
-                    rows.append(measure("get_view(8, env) zero-copy", lambda: buf.get_view(N, 0),
-                                        lambda: ref.get(N, [0]), cfg))
+                    rows.append(measure("get_view(8, env) zero-copy", lambda: buf.get_view(N, 0),  # noqa: B023 - measure() calls it at once
+                                        lambda: ref.get(N, [0]), cfg))  # noqa: B023 - measure() calls it at once
                 info = next(infos(False))
-                rows.append(measure("append, 16 envs", lambda: buf.append(info),
-                                    lambda: ref.append(info), cfg))
+                rows.append(measure("append, 16 envs", lambda: buf.append(info),  # noqa: B023 - measure() calls it at once
+                                    lambda: ref.append(info), cfg))  # noqa: B023 - measure() calls it at once
         finally:
             buf.close()
     return {"rows": rows, "checks": checks}

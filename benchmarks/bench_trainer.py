@@ -85,7 +85,8 @@ def gil_stalls(buf) -> dict:
     result = {"call_ms": take_s * 1e3}
     for name, call in calls.items():
         done = threading.Event()
-        th = threading.Thread(target=lambda c=call: (c(), done.set()))
+        # Bound now: a thread that outlives join(60) must not set the next call's event.
+        th = threading.Thread(target=lambda c=call, d=done: (c(), d.set()))
         last, worst = time.perf_counter(), 0.0
         th.start()
         while not done.is_set():

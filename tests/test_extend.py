@@ -182,7 +182,7 @@ def test_add_fast_path_writes_what_the_python_path_writes(steps):
         assert wf._fast_add is not None
         _slow(ws)
         for step in steps:
-            assert _outcome(lambda: wf.add(**step)) == _outcome(lambda: ws.add(**step))
+            assert _outcome(lambda: wf.add(**step)) == _outcome(lambda: ws.add(**step))  # noqa: B023 - _outcome() calls it at once
         assert wf.steps == ws.steps
         _same_contents(fast, slow)
 
@@ -225,7 +225,7 @@ def test_add_batch_fast_path_writes_what_the_python_path_writes(calls):
         _slow(ws)
         for done_row, kind in calls:
             cols = batch(done_row, kind)
-            assert _outcome(lambda: wf.add_batch(**cols)) == _outcome(lambda: ws.add_batch(**cols))
+            assert _outcome(lambda: wf.add_batch(**cols)) == _outcome(lambda: ws.add_batch(**cols))  # noqa: B023 - _outcome() calls it at once
             if done_row == 2:
                 wf.end_episode(1)
                 ws.end_episode(1)

@@ -95,7 +95,7 @@ def test_matches_a_deque_per_key(max_len, spare, ops):
                     ref[k].clear()
             else:
                 keys, ages = op[1], np.array(op[2])
-                out, lengths = r.read(keys, lambda L: np.tile(ages, (len(L), 1)))
+                out, lengths = r.read(keys, lambda L: np.tile(ages, (len(L), 1)))  # noqa: B023 - read() calls it at once
                 assert lengths.tolist() == [len(ref[k]) for k in keys]
                 for row, k in enumerate(keys):
                     newest_first = list(reversed(ref[k]))
@@ -412,8 +412,8 @@ def test_spawned_writers_on_disjoint_keys_are_never_torn():
             for i in range(400):
                 m = max_len if i % 2 else 3
                 try:
-                    out, lengths = r.read(keys, lambda L: np.broadcast_to(np.arange(m),
-                                                                          (len(L), m)))
+                    out, lengths = r.read(keys, lambda L: np.broadcast_to(np.arange(m),  # noqa: B023 - read() calls it at once
+                                                                          (len(L), m)))  # noqa: B023 - read() calls it at once
                 except shmbuf.SampleRetryError:
                     lapped += 1
                     continue

@@ -595,7 +595,7 @@ def _explore(make_buffer, capacity, chunk_size, before, during, batch_size, leng
 
             def action():
                 for _ in range(during):
-                    w.add(**next(steps))
+                    w.add(**next(steps))  # noqa: B023 - _sample_preempted() calls it at once
 
             batch, fired = _sample_preempted(buf, points, action, batch_size, length)
             verify_batch(batch, time_major=False)
