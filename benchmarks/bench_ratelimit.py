@@ -56,7 +56,7 @@ def overhead(reps: int, calls: int) -> dict:
     try:
         writers = {b: b.writer() for b in (plain, limited)}
         value = {"x": np.int64(1), "done": np.False_}
-        for b, w in writers.items():
+        for w in writers.values():
             for _ in range(1000):
                 w.add(**value)
 

@@ -51,7 +51,7 @@ def train(loader, steps: int):
     model = torch.nn.Linear(3 * 16 * 16, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     losses, shape = [], None
-    for step, batch in zip(range(steps), loader):
+    for _, batch in zip(range(steps), loader):
         x = batch["pixels"].float().flatten(2) / 255           # (L, B, 768)
         loss = ((model(x).squeeze(-1) - batch["reward"]) ** 2).mean()
         opt.zero_grad()

@@ -141,7 +141,7 @@ def test_doc_recording_pattern():
     with buffer:
         obs, _ = env.reset()
 
-        for step in range(total_steps):
+        for _step in range(total_steps):
             action = policy(obs)
             next_obs, reward, done, truncated, _ = env.step(action)
             buffer.add({"image": obs}, action, reward, float(done or truncated))

@@ -344,7 +344,7 @@ def test_on_policy_buffer_lists_arrays_and_copies():
 
 def test_on_policy_buffer_enforces_max_steps():
     on_policy = IRISOnPolicyBuffer(max_steps=3)
-    for i in range(3):
+    for _i in range(3):
         on_policy.add(np.zeros(OBS, np.uint8), np.zeros(6, np.float32), 0.0, False)
     with pytest.raises(OnPolicyBufferFullError, match="max_steps=3"):
         on_policy.add(np.zeros(OBS, np.uint8), np.zeros(6, np.float32), 0.0, False)

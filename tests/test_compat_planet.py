@@ -349,7 +349,7 @@ def test_memory_guard_default_is_200_mib_and_raises_before_reading(memories):
     frame = (3, 64, 64)
     memory = memories(1, steps_per_episode=60, obs_shape=frame, action_size=2)
     ep = Episode()
-    for s in range(55):
+    for _s in range(55):
         ep.append(np.zeros(frame, np.float32), np.zeros(2, np.float32), 0.0, False)
     ep.terminate(np.zeros(frame, np.float32))
     memory.append(ep)

@@ -58,7 +58,7 @@ def test_facade_dataset_under_spawned_workers():
                             multiprocessing_context="spawn", timeout=60)
         got = list(loader)
     assert len(got) == 4
-    for obs, act, rew, term in got:
+    for obs, _act, _rew, term in got:
         assert obs.shape == (6, 5) + OBS and term.dtype == torch.float32
 
 

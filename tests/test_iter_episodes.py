@@ -21,7 +21,7 @@ def test_finished_episodes_oldest_first_cuts_included(make_buffer):
     buf = make_buffer(SPEC, 4000, chunk_size=16)
     w0, w1 = buf.writer(), buf.writer()
     g0, g1 = episode_steps(0, 500, 40), episode_steps(1, 500, 70)
-    for k in range(500):
+    for _k in range(500):
         w0.add(**next(g0))
         w1.add(**next(g1))
     w0.end_episode()   # cut after 20 steps of episode 12

@@ -131,7 +131,7 @@ def test_magic_reads_as_documented():
 
 def test_header_fields_do_not_overlap_and_are_aligned():
     spans = sorted((off, off + struct.calcsize(fmt)) for off, fmt in L.HEADER_FIELDS.values())
-    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+    for (_a0, a1), (b0, _) in zip(spans, spans[1:]):
         assert a1 <= b0, f"header fields overlap at {b0}"
     for off, fmt in L.HEADER_FIELDS.values():
         assert off % struct.calcsize(fmt) == 0

@@ -586,7 +586,7 @@ def test_tensors_share_memory_with_arrays(make_buffer):
     torch = pytest.importorskip("torch")
     buf = make_buffer(capacity=64, chunk_size=4)
     tensors = buf.tensors
-    for k, (shape, dtype) in SPEC.items():
+    for k, (shape, _dtype) in SPEC.items():
         assert tuple(tensors[k].shape) == (64,) + shape
         assert tensors[k].data_ptr() == buf.arrays[k].ctypes.data
     with buf.writer() as w:

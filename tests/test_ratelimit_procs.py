@@ -184,7 +184,7 @@ def _fill(buf, rounds):
     for i in range(16):
         w.add(x=np.int64(i), done=np.False_)
     for r in range(rounds):
-        for i in range(2):   # 2 steps x train_ratio 8 = one sample of 16
+        for _ in range(2):   # 2 steps x train_ratio 8 = one sample of 16
             w.add(x=np.int64(r), done=np.False_)
         buf.sample_steps(16, timeout=0)
     return w
