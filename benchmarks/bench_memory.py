@@ -209,7 +209,8 @@ def bench_first_pass(cfg, tracker, writers) -> list[Row]:
                         "prefaulted, attached segment", ("ratio", ">=", 0.95)))
         rows.append(Row(key + "f", f"{key}f the same, vs a fresh ceiling", "/s", got["demand"],
                         got["fresh"], "as the ceiling, but the segment is sparse: the "
-                        "populate allocates the pages, as shmbuf's claims do", ("ratio", ">=", 0.95)))
+                        "populate allocates the pages, as shmbuf's claims do",
+                        ("ratio", ">=", 0.95)))
         rows.append(Row(key + "p", f"{key}p the same, prefault=True", "/s", got["prefault"],
                         got["ceiling"], f"as {key}", ("ratio", ">=", 0.95)))
     return rows

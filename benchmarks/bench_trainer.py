@@ -289,8 +289,9 @@ def main(argv=None) -> int:
         ("1c", "step with sample_sequences", f"{ov['step_plain_ms']:.2f} ms",
          f"{ov['plain_ratio']:.2f}x", "~2x"),
         ("1d", f"longest Python stall, {ov['gil']['call_ms']:.0f} ms np.take in a thread",
-         f"{ov['gil']['np_take']:.1f} ms", "", f"controls: GIL held {ov['gil']['holds_gil']:.0f} ms,"
-                                              f" released {ov['gil']['releases_gil']:.1f} ms"),
+         f"{ov['gil']['np_take']:.1f} ms", "",
+         f"controls: GIL held {ov['gil']['holds_gil']:.0f} ms,"
+         f" released {ov['gil']['releases_gil']:.1f} ms"),
         ("2a", "direct sample_sequences, 2 processes", f"{dl['direct_batches_per_s']:.1f} b/s",
          "1.00x", ""),
         ("2b", "DataLoader(buf.dataset), 2 workers", f"{dl['dataloader_batches_per_s']:.1f} b/s",
@@ -317,8 +318,9 @@ def main(argv=None) -> int:
           f"cpus={os.cpu_count()} load1 before/after={load0:.2f}/{os.getloadavg()[0]:.2f}; "
           f"leaked segments={tracker.leftovers() or 'none'}")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu, "imports": imp, "handoff": ho,
-                                     "quick": args.quick, "shmbuf": shmbuf.__version__,
+    args.json.write_text(json.dumps({"overlap": ov, "dataloader": dl, "cuda": cu, "imports": imp,
+                                     "handoff": ho, "quick": args.quick,
+                                     "shmbuf": shmbuf.__version__,
                                      "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, indent=1))
     print(f"wrote {args.json}")
     return 0

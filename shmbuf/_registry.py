@@ -17,7 +17,10 @@ _CLASSES: dict[str, type] = {}
 
 
 def register(cls: type, name: str | None = None) -> type:
-    """Class decorator: buffers recorded as made by ``name`` (default ``cls.FACADE``) open as ``cls``."""
+    """Class decorator: buffers recorded as made by ``name`` open as ``cls``.
+
+    ``name`` defaults to ``cls.FACADE``.
+    """
     _CLASSES[name if name is not None else cls.FACADE] = cls  # type: ignore[attr-defined]
     return cls
 

@@ -536,7 +536,8 @@ def test_lifecycle_close_attach_and_context_manager(memories):
             check_batch(*attached.sample(4, tracelen=2), 2)
         assert "closed" in repr(attached)
     memory.close()  # idempotent
-    for call in (lambda: memory.sample(1), lambda: memory.append(record(0, 0)), lambda: len(memory)):
+    for call in (lambda: memory.sample(1), lambda: memory.append(record(0, 0)),
+                 lambda: len(memory)):
         with pytest.raises(shmbuf.BufferClosedError):
             call()
     with pytest.raises(shmbuf.SegmentNotFoundError):

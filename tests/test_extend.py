@@ -90,7 +90,8 @@ def _bad_runs():
     yield "obs", {k: v[:0] for k, v in run.items()}, r"at least 1 step, got T = 0"
     yield "done", dict(run, done=np.array([0.0, 0.5, 1.0, 0.0])), r"extend\(done=\.\.\.\).*0\.5"
     yield "done", dict(run, done=np.array(["no", "no", "yes", "no"])), r"extend\(done=\.\.\.\)"
-    yield "obs", dict(run, obs=run["obs"][:, :2]), r"extend\(obs=\.\.\.\): expected shape \(4, 3, 8, 8\)"
+    yield "obs", dict(run, obs=run["obs"][:, :2]), (r"extend\(obs=\.\.\.\): "
+                                                    r"expected shape \(4, 3, 8, 8\)")
     yield "reward", dict(run, reward=np.float32(1)), r"extend\(reward=\.\.\.\).*leading run axis"
     yield "obs", dict(run, obs=run["obs"].astype(np.float32) + 0.5), r"extend\(obs=\.\.\.\)"
 

@@ -61,7 +61,8 @@ def check_step_windows(batch: dict) -> None:
     assert (np.diff(t, axis=0) == 1).all(), "a window skips or repeats a step"
     first = batch["is_first"]
     assert (first == (t == 0)).all(), "is_first is not exactly the reset observation"
-    assert (batch["action"][~first] == last[~first]).all(), "an observation has another step's action"
+    assert (batch["action"][~first] == last[~first]).all(), \
+        "an observation has another step's action"
     assert (batch["action"][first] == 0).all() and (last[first] == -1).all()
     want = np.where(first, 0, 10 * t + batch["action"])
     np.testing.assert_array_equal(batch["reward"], want)

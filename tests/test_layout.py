@@ -782,7 +782,8 @@ def test_only_the_protocol_modules_import_atomic():
 
     root = pathlib.Path(shmbuf.__file__).parent
     users = {p.relative_to(root).with_suffix("").as_posix() for p in root.rglob("*.py")
-             if any(name in ("_atomic", "shmbuf.protocol._atomic") or name.endswith("._atomic") for name in _imports_of(p))}
+             if any(name in ("_atomic", "shmbuf.protocol._atomic") or name.endswith("._atomic")
+                    for name in _imports_of(p))}
     outside = sorted(u for u in users if not u.startswith(PROTOCOL_PACKAGE))
     assert outside == [], f"{outside} import _atomic"
     assert "protocol/ring" in users and "protocol/keyed" in users

@@ -574,7 +574,8 @@ def test_arrays_are_zero_copy_views(make_buffer):
         w.add(**step_for(5, 123, 0, 0, False))
     rows = np.flatnonzero(arrays["reward"] == 123)  # seen through views taken before
     assert len(rows) == 1
-    np.testing.assert_array_equal(arrays["action"][rows[0]], step_for(5, 123, 0, 0, False)["action"])
+    np.testing.assert_array_equal(arrays["action"][rows[0]],
+                                  step_for(5, 123, 0, 0, False)["action"])
     with shmbuf.attach(buf.name) as att:
         assert att.arrays["reward"][rows[0]] == 123
         att.arrays["reward"][rows[0]] = -1.5  # and a write from the other side shows here

@@ -120,7 +120,8 @@ def test_flags_must_be_bools(flag):
 def _claim_and_die(name):
     buf = shmbuf.attach(name)
     w = buf.writer()
-    w._on_claim = lambda chunk: os.kill(os.getpid(), signal.SIGKILL)  # after the claim, before any row
+    # after the claim, before any row
+    w._on_claim = lambda chunk: os.kill(os.getpid(), signal.SIGKILL)
     w.add(obs=np.zeros(ROW, np.uint8), done=False)
 
 

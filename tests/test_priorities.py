@@ -312,8 +312,8 @@ def test_sigkill_during_updates_leaves_priorities_usable():
 
 PRIORITY_OWNER = """
     import numpy as np, time, shmbuf
-    buf = shmbuf.create({{"x": ((), np.float32)}}, 256, chunk_size=16, priorities=True, done_key=None,
-                        name={name!r})
+    buf = shmbuf.create({{"x": ((), np.float32)}}, 256, chunk_size=16, priorities=True,
+                        done_key=None, name={name!r})
     w = buf.writer()
     for i in range(200):
         w.add(x=np.float32(i))

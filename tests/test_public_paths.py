@@ -1,4 +1,4 @@
-"""Every public import path keeps working: users' code and other libraries are written against them."""
+"""Every public import path keeps working: users' code and other libraries use them."""
 import importlib
 import subprocess
 import sys

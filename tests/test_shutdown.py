@@ -116,7 +116,8 @@ def test_a_second_handle_in_the_closing_process_is_stopped_too(make_buffer, how)
             theirs.add(**step_for(1, pos, 0, pos, False))
             mine.add(**step_for(0, pos, 0, pos, False))
         getattr(buf, how)()
-        with pytest.raises(shmbuf.BufferClosedError, match=f"closed by its owner .pid {os.getpid()}."):
+        with pytest.raises(shmbuf.BufferClosedError,
+                           match=f"closed by its owner .pid {os.getpid()}."):
             theirs.add(**step_for(1, 4, 0, 4, False))
         for call in (lambda: other.sample_steps(1), lambda: other.sample_sequences(1, 2),
                      other.writer):

@@ -191,7 +191,8 @@ def test_add_batch_with_another_env_count_is_rejected(buf):
         w.add_batch(**good_batch())
         before = state(buf)
         bigger = {k: np.concatenate([v, v[:1]]) for k, v in good_batch().items()}
-        with pytest.raises(ValueError, match=rf"add_batch\(obs=...\): this writer has {N_ENVS} env streams"):
+        with pytest.raises(ValueError,
+                           match=rf"add_batch\(obs=...\): this writer has {N_ENVS} env streams"):
             w.add_batch(**bigger)
         assert_unchanged(buf, before)
 

@@ -5,7 +5,8 @@ Each writer is built in a spawned child from the handle its backend pickled
 shared memory; the Queue pipeline sends its queue).  ``write(mode, rows)``
 appends ``rows`` W1 rows: ``"add"`` one step per call, ``"batch16"`` 16 env
 rows per call, ``"ep500"`` a whole 500-step episode per call (backends
-without such a call loop over the rows, as a user would).  Episodes end every 500 steps of each stream.  The rows are
+without such a call loop over the rows, as a user would).  Episodes end
+every 500 steps of each stream.  The rows are
 built once, outside the timed loop, in the form each API takes, so only
 the buffer's own cost is timed.
 

@@ -225,7 +225,10 @@ def checkpoint(schema: tuple[KeySchema, ...], params: dict, lengths: np.ndarray,
 
 
 def read_checkpoint(state: dict, n_envs: int) -> tuple[tuple[KeySchema, ...], np.ndarray, dict]:
-    """``(schema, lengths, {key: entries})`` of a numpy ``checkpoint``; ValueError if it is not one."""
+    """``(schema, lengths, {key: entries})`` of a numpy ``checkpoint``.
+
+    Raises ValueError if ``state`` is not one.
+    """
     if state.get("format") != CHECKPOINT_FORMAT or state.get("facade") != "HistoryBuffer":
         raise ValueError(f"state: expected a HistoryBuffer checkpoint of format "
                          f"{CHECKPOINT_FORMAT!r}, got format {state.get('format')!r} by "

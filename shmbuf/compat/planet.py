@@ -128,7 +128,8 @@ class Memory(Facade):
         params = {"size": None if size is None else check_int("Memory(size=...)", size),
                   "capacity": None if capacity is None else check_int("Memory(capacity=...)",
                                                                       capacity, 2),
-                  "steps_per_episode": check_int("Memory(steps_per_episode=...)", steps_per_episode),
+                  "steps_per_episode": check_int("Memory(steps_per_episode=...)",
+                                                 steps_per_episode),
                   "max_sample_bytes": check_int("Memory(max_sample_bytes=...)", max_sample_bytes)}
         if obs_shape is not None:
             obs_shape = tuple(check_shape("Memory(obs_shape=...)", obs_shape))
@@ -209,7 +210,7 @@ class Memory(Facade):
 
     @property
     def eps_lengths(self) -> LengthsView:
-        """Each held episode's length ``T`` (appended steps), oldest first (read-only deque-like)."""
+        """Each held episode's length ``T`` (appended steps), oldest first (a read-only deque)."""
         return LengthsView(self)
 
     @property

@@ -373,7 +373,8 @@ def _flush(dataset, dataset_id, pending, obs_space, act_space, description):
         dataset.update_dataset_from_buffer(pending)
         return dataset
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=UserWarning, module="minari")  # advice: author, permalink
+        # minari's advice to set author and permalink
+        warnings.filterwarnings("ignore", category=UserWarning, module="minari")
         return minari.create_dataset_from_buffers(
             dataset_id, pending, observation_space=obs_space, action_space=act_space,
             description=description, jpeg_encoding=False)

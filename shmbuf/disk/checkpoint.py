@@ -254,7 +254,8 @@ def from_state_dict(state: dict[str, Any]) -> dict[str, Any]:
         arr = _numpy(t, f"state['columns'][{name!r}]")
         if name in raw and name in spec:
             shape, dtype = spec[name]
-            arr = np.ascontiguousarray(arr).view(np.dtype(dtype)).reshape((len(arr),) + tuple(shape))
+            arr = np.ascontiguousarray(arr).view(np.dtype(dtype))
+            arr = arr.reshape((len(arr),) + tuple(shape))
         columns[name] = arr
     out = {"format": FORMAT, "spec": spec, "columns": columns,
            "stream": _numpy(state["stream"], "state['stream']"),
@@ -461,7 +462,8 @@ class _Replay:
         """Stream ``sid``'s writer, ready for ``row``: the episode cut before it is made."""
         w = self.writers.get(sid)
         if w is None:
-            w = self.writers[sid] = self.buf._parts.writer(False)   # limited=False: restores are not limited
+            # limited=False: restores are not rate limited
+            w = self.writers[sid] = self.buf._parts.writer(False)
         j = self.prev.get(sid)
         if j is not None and j >= 0 and self.episode[row] != self.episode[j] and not (
                 self.done is not None and self.done[j]):

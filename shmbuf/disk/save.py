@@ -245,7 +245,8 @@ class _Writer:
             "spec": {c.name: {"shape": list(c.shape), "dtype": c.dtype.str}
                      for c in lay.user_columns},
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
-            "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name, "saved_ns": time.time_ns(),
+            "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name,
+            "saved_ns": time.time_ns(),
             **_rate_manifest(buf),
             **({"priorities": True, "max_priority": self.ring.priorities.largest_set()}
                if self.ring.priorities is not None else {}),

@@ -97,7 +97,10 @@ class SlotPool:
 
 
 def _tensors(mm, slot: int, slot_bytes: int, layout: list, region=None) -> dict:
-    """Tensors over region ``slot`` of mapping ``mm`` (over ``region``, a buffer of it, if given)."""
+    """Tensors over region ``slot`` of mapping ``mm``.
+
+    Over ``region`` (a buffer of ``mm``) instead, if given.
+    """
     if region is None:
         start = _HEADER + slot * slot_bytes
         raw = np.frombuffer(mm, np.uint8, slot_bytes, start)

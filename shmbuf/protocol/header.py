@@ -1,4 +1,4 @@
-"""The words every segment has: the magic (header publication), the closed mark and the owner record.
+"""The words every segment has: the magic (header publication), the closed mark, the owner record.
 
 The step store and keyed rings alike publish their header and are closed
 and adopted through these words; ``segment`` calls them, nothing else does.

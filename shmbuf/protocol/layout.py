@@ -36,9 +36,10 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
   832  closed         Q    atomic: 0 while open; reason << 32 | pid of who closed it (CLOSED_BY)
   896  sampled_rows   Q    atomic: rows (steps) returned by sample calls
-  960  max_priority   Q    atomic: 1 << 32 | float32 bits of the largest priority ever set; 0: none yet
+  960  max_priority   Q    atomic: 1 << 32 | float32 bits of the largest priority ever set;
+                           0: none yet
  1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
- 2048  column table   n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
+ 2048  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
    ..  chunk table    n_chunks x 64 B, see CHUNK_FIELDS
    ..  episode index  episode_slots x 64 B, see EPISODE_FIELDS
@@ -435,7 +436,8 @@ def encode_meta(meta) -> bytes:
     try:
         raw = json.dumps(meta if meta is not None else {}, sort_keys=True).encode()
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"meta must be JSON-serialisable plain data, got {meta!r} ({exc})") from None
+        raise TypeError(f"meta must be JSON-serialisable plain data, got {meta!r} "
+                        f"({exc})") from None
     if len(raw) > MAX_META:
         raise ValueError(f"meta is {len(raw)} bytes as JSON; at most {MAX_META}")
     return raw
@@ -499,7 +501,8 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     if head["total_bytes"] != segment_bytes:
         raise bad(f"header says {head['total_bytes']} bytes but the segment has {segment_bytes}")
     n_columns = head["n_columns"]
-    if not len(INTERNAL_COLUMNS) + 1 <= n_columns <= MAX_COLUMNS or COLUMN_TABLE + n_columns * COLUMN_ENTRY > segment_bytes:
+    if (not len(INTERNAL_COLUMNS) + 1 <= n_columns <= MAX_COLUMNS
+            or COLUMN_TABLE + n_columns * COLUMN_ENTRY > segment_bytes):
         raise bad(f"column count {n_columns} is out of range")
     spec = {}
     for i in range(n_columns):

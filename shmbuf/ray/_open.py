@@ -25,7 +25,7 @@ from shmbuf.ray._placement import (
 log = logging.getLogger("shmbuf.ray")
 _OPTIONS = ("chunk_size", "max_writers", "done_key", "episode_slots", "prefault", "priorities",
             "remote_idle_s", "rate_limit")
-_PLANNED = ("chunk_size", "max_writers", "done_key", "episode_slots", "priorities")   # _layout.plan's
+_PLANNED = ("chunk_size", "max_writers", "done_key", "episode_slots", "priorities")  # plan's
 
 
 def create(spec: dict, capacity_per_shard: int, *, name: str | None = None,

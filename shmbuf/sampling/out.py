@@ -39,7 +39,8 @@ class _Target:
             return
         import torch
 
-        index = (slice(None), torch.from_numpy(pending)) if time_major else torch.from_numpy(pending)
+        rows = torch.from_numpy(pending)
+        index = (slice(None), rows) if time_major else rows
         self.tensor[index] = torch.from_numpy(values).to(self.tensor.device)
 
 

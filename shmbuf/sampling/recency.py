@@ -52,7 +52,7 @@ _REFRESH = 0.25   # recompute a chunk's masses once the clock moved by this shar
 
 def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
          exponent: float) -> Windows:
-    """``n`` windows, each start drawn with probability proportional to ``(1 + age) ** -exponent``."""
+    """``n`` windows, each start drawn with weight ``(1 + age) ** -exponent``."""
     index = _index(finder, length, tail, exponent)
     found, need, m = [], n, 2 * n + 16
     for round_ in range(_ROUNDS):

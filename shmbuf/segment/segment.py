@@ -445,7 +445,8 @@ def column_views(segment: Segment, layout, columns) -> dict:
     closed under a view that a caller still holds (it is unmapped when the
     last view goes).
     """
-    # The segment is mapped (its header was read); only a closed one has mmap None.
-    return {c.name: np.frombuffer(segment.mmap, c.dtype, layout.capacity * c.row_bytes  # type: ignore[arg-type]
-                                  // c.dtype.itemsize, c.offset).reshape((layout.capacity,) + c.shape)
+    mm = segment.mmap
+    assert mm is not None, "the segment is mapped (its header was read); only a closed one is not"
+    return {c.name: np.frombuffer(mm, c.dtype, layout.capacity * c.row_bytes // c.dtype.itemsize,
+                                  c.offset).reshape((layout.capacity,) + c.shape)
             for c in columns}

@@ -242,7 +242,10 @@ class Buffer(Reads, Checkpoints, Shared):
     @classmethod
     def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
                       handle_signals: bool | None = None):
-        """The Buffer over an attached step-store segment (the registry's way in); closes it on refusal."""
+        """The Buffer over an attached step-store segment (the registry's way in).
+
+        Closes the segment if it refuses it.
+        """
         try:
             return from_segment(segment, layout, owner, seed, own, handle_signals)
         except BaseException:

@@ -385,7 +385,7 @@ class Reads:
                                        include_open)
 
     def read_episode(self, index: int) -> dict | None:
-        """Finished episode number ``index`` (an ``episodes().index``) as ``{column: (steps, ...)}``.
+        """Finished episode ``index`` (an ``episodes().index``) as ``{column: (steps, ...)}``.
 
         Read and validated like ``iter_episodes`` (copies, never torn), in
         time independent of the number of episodes held.
@@ -405,7 +405,8 @@ class Reads:
         from ..sampling import episodes as _episode_reader
 
         self._check_open()
-        return _episode_reader.one(self._ring, self._finder, self._views, [c.name for c in self._layout.user_columns], index)
+        names = [c.name for c in self._layout.user_columns]
+        return _episode_reader.one(self._ring, self._finder, self._views, names, index)
 
     # -- waiting and counters ---------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:

@@ -52,7 +52,8 @@ def coerce(label: str, value, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     try:
         arr = _to_numpy(value)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise TypeError(f"{label}: cannot read {type(value).__name__} as an array ({exc})") from None
+        raise TypeError(f"{label}: cannot read {type(value).__name__} as an array "
+                        f"({exc})") from None
     if arr.shape != shape:
         raise ValueError(f"{label}: expected shape {shape}, got {arr.shape}")
     if arr.dtype != dtype and not _lossless(arr, dtype):
@@ -130,7 +131,8 @@ def scalar_fast_path(value, dtype: np.dtype) -> bool:
             return value == 0.0 or value == 1.0  # done flags passed as floats
         if kind != "f":
             return False
-        return abs(value) <= float(np.finfo(dtype).max) or value != value or abs(value) == float("inf")
+        return (abs(value) <= float(np.finfo(dtype).max) or value != value
+                or abs(value) == float("inf"))
     if t is int:
         if kind in "iu":
             info = np.iinfo(dtype)

@@ -27,7 +27,7 @@ class StoreParts:
     """One step store's working parts, as its owner ``Buffer`` made them in this process."""
 
     ring: Ring                           # every shared word of the store
-    views: dict[str, np.ndarray]         # column name -> (capacity, *shape) view, internal columns too
+    views: dict[str, np.ndarray]         # column -> (capacity, *shape) view, internal ones too
     finder: WindowFinder                 # which rows make valid windows
     limiter: Limiter | None              # the train ratio's limiter, if the buffer has one
     random: ProcessRandom                # the buffer's random stream, one per process

@@ -33,7 +33,8 @@ def main(out):
     with shmbuf.create(SPEC, 256, chunk_size=16, priorities=True) as buf:
         fill(buf)
         batch = buf.sample_sequences(4, 3, ids=True)
-        buf.update_priorities(batch["ids"], np.arange(12, dtype=np.float32).reshape(batch["ids"].shape) + 1)
+        priorities = np.arange(12, dtype=np.float32).reshape(batch["ids"].shape) + 1
+        buf.update_priorities(batch["ids"], priorities)
         buf.save(os.path.join(out, "store_save"))
         # The segment itself, as bytes: a buffer made by this version, to attach.
         with open(os.path.join("/dev/shm", buf.name), "rb") as f:
@@ -52,7 +53,8 @@ def main(out):
     hb = shmbuf.HistoryBuffer(2, 5)
     try:
         for t in range(7):
-            hb.append({"pixels": np.full((2, 3), t, np.uint8), "action": np.full((2, 1), -t, np.float32)})
+            hb.append({"pixels": np.full((2, 3), t, np.uint8),
+                       "action": np.full((2, 1), -t, np.float32)})
         hb.save(os.path.join(out, "history_save"))
     finally:
         hb.close()

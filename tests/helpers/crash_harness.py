@@ -178,10 +178,12 @@ def run(rounds: int = 200, n_writers: int = 3, capacity: int = 192, chunk_size: 
                 finally:
                     signal.alarm(0)
                 stats = buf.stats()
-                if not (0 < stats.live_steps <= capacity and stats.oldest_step <= stats.newest_step + 1):
+                if not (0 < stats.live_steps <= capacity
+                        and stats.oldest_step <= stats.newest_step + 1):
                     report.errors.append(f"inconsistent stats {stats}")
                 _track_progress(buf, pids, progress)
-            for make, counter in ((_reader_main, "reader_kills"), (_attacher_main, "attacher_kills")):
+            for make, counter in ((_reader_main, "reader_kills"),
+                                  (_attacher_main, "attacher_kills")):
                 for _ in range(3):
                     pid = _spawn(make, buf.name)
                     time.sleep(rng.uniform(0.005, 0.02))  # let it get going before the kill
@@ -239,7 +241,7 @@ def _tracked_writer_main(name: str, writer_id: int, published, episode_len: int)
 
 
 def _trainer_main(name: str, spec_capacity: tuple, status_fd: int) -> None:
-    """Child body: create the buffer (first run) or adopt it, then sample and verify until killed."""
+    """Child body: create the buffer (first run) or adopt it; sample and verify until killed."""
     capacity, chunk_size = spec_capacity
     try:
         if name is None:

@@ -61,7 +61,8 @@ def main():
         os.posix_fallocate(f.fileno(), 0, FILLER_BYTES)
     spec = {"obs": ((ROW,), np.uint8), "done": ((), np.bool_)}
     buf = shmbuf.create(spec, 1 << 16, chunk_size=64, overcommit=True, seed=0)
-    procs = [ctx.Process(target=writer, args=(buf.name, i, reports, go_on, started)) for i in range(2)]
+    procs = [ctx.Process(target=writer, args=(buf.name, i, reports, go_on, started))
+             for i in range(2)]
     try:
         for p in procs:
             p.start()

@@ -40,7 +40,8 @@ class StepEnv(gym.Env):
         self._t += 1
         end = self._t >= self._len
         terminated = end and self._ep % 2 == 0
-        return self._obs(action), float(10 * self._t + action), terminated, end and not terminated, {}
+        truncated = end and not terminated
+        return self._obs(action), float(10 * self._t + action), terminated, truncated, {}
 
 
 def make_step_env(max_len: int = 12):

@@ -68,7 +68,8 @@ def record(writer: int, k: int, length: int | None = None, torch_inputs: bool = 
             import torch
 
             act = torch.from_numpy(act)
-        ep.append(obs(s), act, float(reward_value(writer, k, s)), bool(terminal_value(k, s, length)))
+        ep.append(obs(s), act, float(reward_value(writer, k, s)),
+                  bool(terminal_value(k, s, length)))
     ep.terminate(obs(length))
     return ep
 
