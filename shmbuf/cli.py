@@ -81,7 +81,7 @@ class _Info:
         return [] if self.keyed else self.ring.live_writers()
 
     def close(self):
-        self.ring = None
+        del self.ring   # its views of the mapping go first: a mapping with views cannot close
         self.segment.close()
 
 

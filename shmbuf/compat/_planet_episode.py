@@ -11,7 +11,7 @@ cut down to the held episodes (``held_rows``, ``runs_of``, ``check_schema``).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import NoReturn, overload
+from typing import Any, NoReturn, overload
 
 import numpy as np
 
@@ -41,7 +41,11 @@ class Episode:
             raise TypeError("Episode(postprocess_fn=...) must be callable, got "
                             f"{postprocess_fn!r}")
         self.postprocess_fn = postprocess_fn if postprocess_fn is not None else _identity
-        self.x, self.u, self.r, self.t = [], [], [], []
+        # Lists while recording; terminate() stacks each into one array.
+        self.x: Any = []
+        self.u: Any = []
+        self.r: Any = []
+        self.t: Any = []
         self._size = 0
         self._terminated = False
 

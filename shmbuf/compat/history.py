@@ -181,6 +181,7 @@ class HistoryBuffer(Shared):
         self._check_open()
         if self._rings is None and not self.owner:
             try:
+                assert self._name is not None, "an attached HistoryBuffer has its name"
                 rings = keyed.attach_if_published(self._name, made_by=self.KIND_NAME)
             except SegmentNotFoundError:
                 raise BufferClosedError(
@@ -415,7 +416,7 @@ class HistoryBuffer(Shared):
 
     def __repr__(self):
         state = "closed" if self._closed else ("no schema yet" if self._rings is None else
-                                               f"keys={[s.key for s in self._schema]}")
+                                               f"keys={[s.key for s in self._schema or ()]}")
         return (f"<shmbuf HistoryBuffer {self._name!r} n_envs={self.n_envs} "
                 f"max_len={self.max_len} {state}>")
 

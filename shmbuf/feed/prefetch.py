@@ -91,15 +91,15 @@ class _State:
     def __init__(self, depth):
         self.cond = threading.Condition()
         self.free = deque(range(depth))     # slots the thread may fill
-        self.ready = deque()                # filled slots, oldest first
-        self.error = None
+        self.ready: deque[int] = deque()    # filled slots, oldest first
+        self.error: BaseException | None = None
         self.stop = False
 
 
 class Prefetcher:
     """Iterator of prefetched batches; made by ``Buffer.prefetch`` (see it and the module doc)."""
 
-    _thread = None
+    _thread: threading.Thread | None = None
 
     def __init__(self, buffer, batch_size, length, *, depth=2, device="cpu", pin_memory=None,
                  rng=None, transform=None, **sample_kwargs):
@@ -134,11 +134,11 @@ class Prefetcher:
         return self
 
     def __next__(self):
-        st = self._state
+        st, thread = self._state, self._thread
         self._release_held()
         with st.cond:
             while not st.ready and st.error is None and not st.stop:
-                if not st.cond.wait(_POLL_S) and not self._thread.is_alive():
+                if not st.cond.wait(_POLL_S) and not (thread is not None and thread.is_alive()):
                     break
             if st.stop:
                 raise StopIteration
@@ -253,8 +253,10 @@ def _sample(state: _State, buffer, args, slot: _Slot, gen) -> bool:
 def _to_device(slot: _Slot, stream) -> None:
     import torch
 
+    dev, copied = slot.dev, slot.copied
+    assert dev is not None and copied is not None, "a CUDA slot has device tensors and events"
     with torch.cuda.stream(stream):
         stream.wait_event(slot.released)      # the consumer's kernels on the old batch are done
         for k, host in slot.host.items():
-            slot.dev[k].copy_(host, non_blocking=True)
-        slot.copied.record(stream)
+            dev[k].copy_(host, non_blocking=True)
+        copied.record(stream)

@@ -20,6 +20,7 @@ This module imports torch; ``Buffer.dataset`` imports it on first use.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +29,9 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._args import check_int
 from .._errors import BufferClosedError, SegmentNotFoundError
 from ..sampling.rng import ProcessRandom
+
+if TYPE_CHECKING:
+    from .handoff import SlotPool
 from ..segment.segment import SHM_DIR
 
 SAMPLE_KEYS = ("time_major", "tail", "uniform", "newest", "select", "ids")
@@ -124,7 +128,7 @@ class BatchDataset(IterableDataset):
         # How another process opens the buffer by name: what unpickling it calls.  Kept
         # as that recipe so that this module never imports the store (it sits above it).
         self._reopen = buffer.__reduce__()
-        self._slot_pool = None
+        self._slot_pool: tuple[int, SlotPool | None] | None = None   # (pid, this worker's pool)
 
     @property
     def batch_size(self) -> int:
@@ -160,7 +164,7 @@ class BatchDataset(IterableDataset):
                 return   # the buffer ended: a clean end of the iteration
             slot = pool.take() if pool is not None else None
             try:
-                if slot is not None:
+                if pool is not None and slot is not None:
                     self._sample(buf, pool.tensors(slot), rng)
                     item = pool.handoff(slot, self.transform)
                 elif worker is not None:   # every region lent: fresh shared memory
@@ -171,11 +175,11 @@ class BatchDataset(IterableDataset):
                     batch = self._sample(buf, None, rng)
                     item = self._shaped({k: torch.from_numpy(v) for k, v in batch.items()})
             except BufferClosedError:
-                if slot is not None:
+                if pool is not None and slot is not None:
                     pool.give_back(slot)
                 return   # closed while this batch was drawn
             except BaseException:
-                if slot is not None:
+                if pool is not None and slot is not None:
                     pool.give_back(slot)
                 raise
             yield item
@@ -187,7 +191,7 @@ class BatchDataset(IterableDataset):
     def _shaped(self, batch):
         return batch if self.transform is None else self.transform(batch)
 
-    def _pool(self):
+    def _pool(self) -> SlotPool | None:
         """This worker's reusable regions (``shmbuf.feed.handoff``), made once per process."""
         from . import handoff as _handoff
 

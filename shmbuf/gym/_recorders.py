@@ -273,6 +273,12 @@ class RecordVectorEpisodes(VectorWrapper):
         self._ended = np.zeros(n, np.bool_)   # NEXT_STEP: the next call resets these
         self._recorder_closed = False
 
+    @property
+    def _per_env(self) -> _PerEnvSink:
+        """The sink of the modes that write some sub-envs' rows only (all but NEXT_STEP)."""
+        assert isinstance(self._sink, _PerEnvSink), "NEXT_STEP writes whole batches only"
+        return self._sink
+
     def reset(self, *, seed=None, options=None):
         mask = None
         if options is not None and "reset_mask" in options:
@@ -283,7 +289,7 @@ class RecordVectorEpisodes(VectorWrapper):
                                  "that is for autoreset_mode=DISABLED (this env is NEXT_STEP)")
         obs, info = self.env.reset(seed=seed, options=options)
         if mask is None or mask.all():
-            for i in np.flatnonzero(self._open):
+            for i in np.flatnonzero(self._open).tolist():
                 self._sink.cut(i)
             self._sink.add_all(self._rows.first_batch(obs, self._n))
             self._open[:] = True
@@ -291,10 +297,10 @@ class RecordVectorEpisodes(VectorWrapper):
             self._ended[:] = False
         else:
             cols = {leaf.name: np.asarray(leaf.pick(obs)) for leaf in self._rows.obs}
-            for i in np.flatnonzero(mask):
+            for i in np.flatnonzero(mask).tolist():
                 if self._open[i]:
                     self._sink.cut(i)
-                self._sink.add(i, self._rows.first_of(_one(cols, i)))
+                self._per_env.add(i, self._rows.first_of(_one(cols, i)))
             self._open[mask] = True
             self._stepped[mask] = False
         return obs, info
@@ -326,7 +332,7 @@ class RecordVectorEpisodes(VectorWrapper):
             else:
                 self._sink.add_all(cols)
                 self._open &= ~ended
-        for i in np.flatnonzero(ended & ~term):
+        for i in np.flatnonzero(ended & ~term).tolist():
             self._sink.cut(i)
         if self._mode == AutoresetMode.SAME_STEP:
             self._start(np.flatnonzero(ended), obs)
@@ -342,14 +348,14 @@ class RecordVectorEpisodes(VectorWrapper):
             row = _one(cols, i)
             if ended[i]:
                 row = self._rows.replace_obs(row, final[i])  # type: ignore[index]  # checked above
-            self._sink.add(i, row)
+            self._per_env.add(i, row)
 
     def _start(self, envs, obs) -> None:
         """SAME_STEP: the observation returned for an ended sub-env begins its next episode."""
         if len(envs):
             cols = {leaf.name: np.asarray(leaf.pick(obs)) for leaf in self._rows.obs}
-            for i in envs:
-                self._sink.add(i, self._rows.first_of(_one(cols, i)))
+            for i in envs.tolist():
+                self._per_env.add(i, self._rows.first_of(_one(cols, i)))
             self._stepped[envs] = False
     def close(self, **kwargs):
         """Cut the open episodes and close the writers (never the buffer), then the env.
@@ -360,7 +366,7 @@ class RecordVectorEpisodes(VectorWrapper):
         if not self._recorder_closed:
             self._recorder_closed = True
             with contextlib.suppress(BufferClosedError):
-                for i in np.flatnonzero(self._open & self._stepped):
+                for i in np.flatnonzero(self._open & self._stepped).tolist():
                     self._sink.cut(i)
             self._open[:] = False
             self._sink.close()

@@ -1,6 +1,8 @@
 """Where a sampled batch goes: fresh arrays, or the caller's arrays or tensors."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 
@@ -9,7 +11,8 @@ class _Target:
 
     def __init__(self, obj, shape, dtype, name):
         self.result = obj
-        self.tensor = None
+        self.tensor: Any = None           # a torch.Tensor; torch is imported only if used
+        self.array: np.ndarray | None     # None: a tensor off the CPU, written through .tensor
         if obj is None:
             self.array = np.empty(shape, dtype)
             self.result = self.array

@@ -125,4 +125,4 @@ class ProcessRandom:
         return {"seed": self.seed, "owner_pid": self.owner_pid, "name": self.name}
 
     def __setstate__(self, state):
-        self.__init__(state["seed"], state["owner_pid"], state["name"], shared=True)
+        ProcessRandom.__init__(self, state["seed"], state["owner_pid"], state["name"], shared=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import TYPE_CHECKING, Any
 
 from .._errors import BufferClosedError
 from ..protocol.layout import CLOSED_OWNER
@@ -54,6 +55,10 @@ class Shared:
     _creator_pid = None       # the creating process; None for attached handles
     _finalizer = None
     _segment = None
+
+    if TYPE_CHECKING:  # every subclass defines it; __reduce__ attaches with it
+        @classmethod
+        def attach(cls, name: str, *args: Any, **kwargs: Any) -> Any: ...
 
     def _open(self, segment) -> None:
         """Open over a mapped ``Segment``: closed (and unlinked, by its owner) at the end."""

@@ -257,7 +257,7 @@ class Buffer(Reads, Checkpoints, Shared):
 
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"
-        return f"<shmbuf.Buffer {self._segment.name!r} {state}{' owner' if self.owner else ''}>"
+        return f"<shmbuf.Buffer {self._name!r} {state}{' owner' if self.owner else ''}>"
 
 
 def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: int | None = None,

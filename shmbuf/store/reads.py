@@ -148,7 +148,7 @@ class Reads:
             windows = draw(len(pending))
         raise SampleRetryError(
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
-            f"(capacity {self.capacity}) is too small for its ingest rate")
+            f"(capacity {self._layout.capacity}) is too small for its ingest rate")
 
     def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
         """The checked ``(batch_size, length, tail, selector)`` of a sample (also for
