@@ -127,7 +127,10 @@ def summary(values) -> dict:
 
 def print_table(result: dict, crossing: float) -> None:
     s, b, r = (summary(result[k]) for k in ("shmbuf", "baseline", "ratio"))
-    ms = lambda d: f"{d['median'] * 1e3:.2f} [{d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f}] ms"  # noqa
+
+    def ms(d):
+        return f"{d['median'] * 1e3:.2f} [{d['min'] * 1e3:.2f}-{d['max'] * 1e3:.2f}] ms"
+
     heads = ("measurement", "shmbuf", "baseline", "ratio", "target", "met?")
     widths = (44, 26, 26, 20, 8, 4)
     cells = (f"Dreamer sample() L={SEQ_LEN} B={BATCH} 3x64x64", ms(s), ms(b),
