@@ -250,6 +250,23 @@ def test_swm_episodes_keys_capacity_and_progress(tmp_path, capsys):
     assert "from_swm_hdf5" in capsys.readouterr().err  # tqdm's bar, forced on
 
 
+def test_swm_episodes_out_of_file_order_keep_their_rows_and_ends(tmp_path):
+    # 2 then 3 and 0 then 1 lie back to back in the file: each pair is read as one run
+    # of rows, cut at the episode end inside it; the runs come in the order asked for.
+    lengths = [3, 4, 5, 2]
+    cols, offsets = write_swm(tmp_path / "a.h5", lengths, terminal_eps=(0, 2))
+    order = [2, 3, 0, 1]
+    with from_swm_hdf5(tmp_path / "a.h5", episodes=order, block_bytes=700) as buf:
+        held = buf.episodes()
+        assert held.length.tolist() == [lengths[e] for e in order]
+        assert held.terminal.tolist() == [True, False, True, False]
+        for i, e in enumerate(order):
+            ep = buf.read_episode(int(held.index[i]))
+            rows = slice(offsets[e], offsets[e] + lengths[e])
+            assert np.array_equal(ep["pixels"], cols["pixels"][rows]), e
+            assert np.array_equal(ep["action"], cols["action"][rows]), e
+
+
 @pytest.mark.parametrize("damage, match", [
     ("truncate", "truncated"),
     ("ep_len", "do not match its rows"),
