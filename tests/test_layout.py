@@ -795,24 +795,23 @@ def test_c_reads_the_chunk_fields_that_layout_defines():
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
-    geometry = Ring(memoryview(mm), lay).geometry
-    assert geometry[5] == L.CHUNK_ENTRY
-    assert geometry[6:-1] == tuple(L.CHUNK_FIELDS[f] for f in _windows.FIELDS)
-    assert geometry[-1] == L.STARTS_BITS  # the width of a row offset in the starts word
-    assert set(_windows.FIELDS) <= set(L.CHUNK_FIELDS)
+    read = _windows.read_geometry(Ring(memoryview(mm), lay).geometry, mm)
+    assert read["entry_bytes"] == L.CHUNK_ENTRY
+    for field in ("state", "count", "next", "next_seq", "starts", "ticket"):
+        assert read[f"entry_{field}"] == L.CHUNK_FIELDS[field]
+    assert read["starts_bits"] == L.STARTS_BITS  # the width of a row offset in the starts word
     assert L.STARTS_UNTRACKED == 2**64 - 1 and 2 * L.STARTS_BITS + 2 == 64
 
 
 def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
     from shmbuf.protocol import _window_check as _windows
-    from shmbuf.protocol.ring import Ring
+    from shmbuf.protocol.geometry import geometry_of, pack
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
-    good = Ring(memoryview(mm), lay).geometry
+    good = geometry_of(lay)
     ok = np.zeros(1, np.bool_)
-    for bad in (good[:6] + (L.CHUNK_ENTRY,) + good[7:], good[:5] + (4,) + good[6:],
-                good[:8] + (3,) + good[9:]):
+    for bad in ({"entry_state": L.CHUNK_ENTRY}, {"entry_bytes": 4}, {"entry_next": 3}):
         with pytest.raises(ValueError, match="geometry"):
-            _windows.unchanged(mm, bad, np.zeros((1, 1), np.int64), np.zeros((1, 1), np.int64),
-                               1, ok)
+            _windows.unchanged(mm, pack({**good, **bad}), np.zeros((1, 1), np.int64),
+                               np.zeros((1, 1), np.int64), 1, ok)

@@ -678,6 +678,7 @@ def test_sampler_survives_a_scribbled_chunk_table(scribbles):
 
 def test_window_check_rejects_arguments_that_do_not_fit(make_buffer):
     from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol.geometry import geometry_of, pack
     buf = make_buffer(SPEC, 64, chunk_size=4)
     mm, geometry = buf._segment.mmap, buf._finder.geometry
     picked = np.empty(4, np.int64)
@@ -687,7 +688,8 @@ def test_window_check_rejects_arguments_that_do_not_fit(make_buffer):
     with pytest.raises(ValueError, match="8-byte"):
         _windows.find(mm, geometry, np.zeros(4, np.int32)[:3], *args)
     with pytest.raises(ValueError, match="geometry"):
-        _windows.find(mm, (geometry[0], 10**9) + geometry[2:], np.zeros(4, np.int64), *args)
+        _windows.find(mm, pack({**geometry_of(buf._layout), "n_chunks": 10**9}),
+                      np.zeros(4, np.int64), *args)
     with pytest.raises(ValueError, match="rows"):
         _windows.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 0, 4, 3, picked,
                       rows[:2], hops, hops.copy())

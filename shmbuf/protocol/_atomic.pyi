@@ -1,9 +1,17 @@
-"""Type stubs of the C extension _atomic.c: atomics on 8-byte words of a writable buffer."""
+"""Type stubs of the C extension _atomic (atomic_words.c, rate_gate.c, appender.c,
+keyed_read.c): atomics on 8-byte words of a writable buffer and the fast paths."""
 from typing import Any
 
 import numpy as np
 
 _Buffer = Any  # a writable buffer: mmap, bytearray, memoryview
+_Geometry = bytes  # protocol.geometry.pack's: see shmbuf_words.h
+
+GEOMETRY_FIELDS: tuple[tuple[str, int, str, int], ...]  # (name, offset, format, count)
+GEOMETRY_SIZE: int
+GEOMETRY_MAGIC: int
+
+def read_geometry(geometry: _Geometry, buffer: _Buffer, /) -> dict[str, Any]: ...
 
 def load_acquire(buffer: _Buffer, offset: int, /) -> int: ...
 def store_release(buffer: _Buffer, offset: int, value: int, /) -> None: ...
@@ -21,20 +29,19 @@ def fence_release() -> None: ...
 def fence_seq_cst() -> None: ...
 
 class Appender:
-    """The writer's fast path for add / add_batch (built by _ring.Streams.appender)."""
+    """The writer's fast path for add / add_batch (built by protocol.streams.Streams.appender)."""
 
-    def __init__(self, buffer: _Buffer, names: tuple[str, ...], views: tuple[np.ndarray, ...],
-                 ep_view: np.ndarray, t_view: np.ndarray, done: int, fill: np.ndarray,
-                 base: np.ndarray, rows: np.ndarray, count_off: np.ndarray, ep: np.ndarray,
-                 left: np.ndarray, steps_off: int, clock_off: int, closed_off: int,
-                 gate: RateGate | None = None, /) -> None: ...
+    def __init__(self, buffer: _Buffer, geometry: _Geometry, /, *, names: tuple[str, ...],
+                 views: tuple[np.ndarray, ...], ep_view: np.ndarray, t_view: np.ndarray,
+                 done: int, fill: np.ndarray, base: np.ndarray, rows: np.ndarray,
+                 count_off: np.ndarray, ep: np.ndarray, left: np.ndarray, steps_off: int,
+                 gate: RateGate | None = None) -> None: ...
     def add(self, columns: dict[str, Any], /) -> int: ...
     def add_batch(self, columns: dict[str, Any], /) -> int: ...
 
 class RateGate:
-    """The rate limiter's admissions (built by _ring.RateWords); see _atomic.c."""
+    """The rate limiter's admissions (built by protocol.rate.RateWords); see rate_gate.c."""
 
-    def __init__(self, buffer: _Buffer, offsets: tuple[int, int, int, int, int, int, int],
-                 /) -> None: ...
+    def __init__(self, buffer: _Buffer, geometry: _Geometry, /) -> None: ...
     def insert(self, n: int, /) -> int: ...
     def replay(self, n: int, /) -> int: ...

@@ -2,11 +2,12 @@
  * Shared priorities: the row words, the per-block bounds, the sum tree over
  * them, and the Prioritized draw's proposal and acceptance.
  *
- * _ring.Priorities drives every function here; the words and their packing
- * are described in _layout (PRIORITY_COLUMN, PRIORITY_REGIONS) and
- * docs/design.md ("Priorities").  The geometry (offsets, sizes, the chunk
- * fields read) arrives in a tuple built by _ring from _layout: nothing about
- * the layout is declared here.
+ * protocol.priorities.Priorities drives every function here; the words and
+ * their packing are described in protocol.layout (PRIORITY_COLUMN,
+ * PRIORITY_REGIONS) and docs/design.md ("Priorities").  The geometry (offsets,
+ * sizes, the chunk fields read, the trees) arrives packed by protocol.geometry
+ * from protocol.layout and is read by shmbuf_words.h's one parser: nothing
+ * about the layout is declared here.
  *
  * Lock-free rules, in short:
  *  - a row word is tag << 32 | float32 bits, written by one atomic exchange;
@@ -22,6 +23,11 @@
  *    path (or repair) fixes.
  * No function waits for anything: every loop retries only after another
  * process changed the word it compared.
+ *
+ * Memory orders: chunk-table, block, node and largest-ever words are loaded
+ * with acquire; a row word is loaded relaxed (its chunk's claim tag, loaded
+ * with acquire, judges it); CAS and exchange are seq_cst; a claim's reset
+ * stores its block words with release.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,44 +36,38 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef _Atomic uint64_t atomic_u64;
+#include "shmbuf_words.h"
 
-#define MAX_LEVELS 16
-#define MAX_TREES 4
+#define MAX_LEVELS SHM_MAX_LEVELS
+#define MAX_TREES SHM_MAX_TREES
 #define FANOUT 16
 #define U32 0xFFFFFFFFull
 
 typedef struct {
+    ShmGeometry s;     /* the chunk table and the priority regions: see shmbuf_words.h */
     char *base;
     Py_ssize_t len;
-    int64_t chunks_at, n_chunks, k, capacity, entry;
-    int64_t f_state, f_count, f_next, f_next_seq, f_ticket;
-    int64_t slot_shift, no_slot;
-    int64_t rows_at, blocks_at, prev_at, bs, bpc, n_blocks, max_off, ticket_off;
     int64_t claimed;   /* chunks claimed when the call began: no entry at or above is read */
-    int n_trees, n_levels;
-    double e[MAX_TREES];                     /* each tree's exponent, ascending */
-    int64_t level_at[MAX_TREES][MAX_LEVELS], level_n[MAX_LEVELS];
 } PG;
 
 static inline atomic_u64 *
 word(const PG *g, int64_t off)
 {
-    return (atomic_u64 *)(g->base + off);
+    return shm_word(g->base, off);
 }
 
 static inline uint64_t
 chunk_word(const PG *g, int64_t chunk, int64_t field)
 {
-    return atomic_load_explicit(word(g, g->chunks_at + chunk * g->entry + field),
+    return atomic_load_explicit(word(g, g->s.chunks_at + chunk * g->s.entry_bytes + field),
                                 memory_order_acquire);
 }
 
 static inline int64_t
 chunk_rows(const PG *g, int64_t chunk)
 {
-    int64_t left = g->capacity - chunk * g->k;
-    return left < g->k ? left : g->k;
+    int64_t left = g->s.capacity - chunk * g->s.chunk_size;
+    return left < g->s.chunk_size ? left : g->s.chunk_size;
 }
 
 static inline uint64_t
@@ -102,83 +102,71 @@ pack_node(uint64_t count, uint64_t version, float value)
 static inline atomic_u64 *
 node(const PG *g, int tree, int level, int64_t i)
 {
-    return word(g, g->level_at[tree][level] + 8 * i);
+    return word(g, SHM_LEVEL_AT(&g->s, tree, level) + 8 * i);
 }
 
 static inline atomic_u64 *
 block_word(const PG *g, int64_t b, int which)
 {
-    return word(g, g->blocks_at + 16 * b + 8 * which);
+    return word(g, g->s.prio_blocks_at + 16 * b + 8 * which);
 }
 
 /* The largest priority ever set, or 1.0 before any (the PER convention). */
 static inline double
 largest(const PG *g)
 {
-    uint64_t w = atomic_load_explicit(word(g, g->max_off), memory_order_acquire);
+    uint64_t w = atomic_load_explicit(word(g, g->s.prio_max), memory_order_acquire);
     return (w >> 32) & 1 ? (double)f32(w) : 1.0;
 }
 
 static int
 parse(Py_buffer *mm, PyObject *geo, PG *g)
 {
-    PyObject *trees;
-    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLLLLLLLLLLO", &g->chunks_at, &g->n_chunks, &g->k,
-                          &g->capacity, &g->entry, &g->f_state, &g->f_count, &g->f_next,
-                          &g->f_next_seq, &g->f_ticket, &g->slot_shift, &g->no_slot,
-                          &g->rows_at, &g->blocks_at, &g->prev_at, &g->bs, &g->bpc,
-                          &g->n_blocks, &g->max_off, &g->ticket_off, &trees))
+    if (shm_geometry_get(geo, mm->len, &g->s) < 0)
         return -1;
     g->base = mm->buf;
     g->len = mm->len;
-    if (!PyTuple_Check(trees) || PyTuple_GET_SIZE(trees) < 1
-        || PyTuple_GET_SIZE(trees) > MAX_TREES) {
+    const ShmGeometry *s = &g->s;
+    if (s->n_trees < 1 || s->n_trees > MAX_TREES) {
         PyErr_SetString(PyExc_ValueError, "priority geometry: bad tree table");
         return -1;
     }
-    g->n_trees = (int)PyTuple_GET_SIZE(trees);
-    for (int t = 0; t < g->n_trees; t++) {
-        PyObject *levels;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(trees, t), "dO", &g->e[t], &levels))
-            return -1;
-        if (!PyTuple_Check(levels) || PyTuple_GET_SIZE(levels) < 1
-            || PyTuple_GET_SIZE(levels) > MAX_LEVELS || !(g->e[t] > 0)
-            || (t > 0 && (int)PyTuple_GET_SIZE(levels) != g->n_levels)
-            || (t > 0 && !(g->e[t] > g->e[t - 1]))) {
+    if (s->n_levels < 1 || s->n_levels > MAX_LEVELS) {
+        PyErr_SetString(PyExc_ValueError, "priority geometry: bad level table");
+        return -1;
+    }
+    for (int t = 0; t < s->n_trees; t++) {
+        if (!(s->tree_exponent[t] > 0)
+            || (t > 0 && !(s->tree_exponent[t] > s->tree_exponent[t - 1]))) {
             PyErr_SetString(PyExc_ValueError, "priority geometry: bad level table");
             return -1;
         }
-        g->n_levels = (int)PyTuple_GET_SIZE(levels);
-        for (int d = 0; d < g->n_levels; d++) {
-            int64_t n;
-            if (!PyArg_ParseTuple(PyTuple_GET_ITEM(levels, d), "LL", &g->level_at[t][d], &n))
-                return -1;
-            if (t == 0)
-                g->level_n[d] = n;
-            if (g->level_at[t][d] < 0 || g->level_at[t][d] % 8 || n != g->level_n[d] || n < 1
-                || g->level_at[t][d] + 8 * n > g->len
-                || (d == 0 ? n != g->n_blocks : n != (g->level_n[d - 1] + FANOUT - 1) / FANOUT)) {
+        for (int d = 0; d < s->n_levels; d++) {
+            int64_t at = SHM_LEVEL_AT(s, t, d), n = s->level_nodes[d];
+            if (at < 0 || at % 8 || n < 1 || at + 8 * n > g->len
+                || (d == 0 ? n != s->prio_n_blocks
+                           : n != (s->level_nodes[d - 1] + FANOUT - 1) / FANOUT)) {
                 PyErr_SetString(PyExc_ValueError, "priority geometry: a tree level does not fit");
                 return -1;
             }
         }
     }
-    if (g->level_n[g->n_levels - 1] != 1 || g->k < 1 || g->n_chunks < 1 || g->bs < 1
-        || g->bpc != (g->k + g->bs - 1) / g->bs || g->n_blocks != g->n_chunks * g->bpc
-        || g->capacity > g->n_chunks * g->k || g->entry < 8 || g->entry % 8
-        || g->chunks_at < 0 || g->chunks_at + g->n_chunks * g->entry > g->len
-        || g->rows_at < 0 || g->rows_at % 8 || g->rows_at + 8 * g->capacity > g->len
-        || g->blocks_at < 0 || g->blocks_at % 8 || g->blocks_at + 16 * g->n_blocks > g->len
-        || g->prev_at < 0 || g->prev_at % 8 || g->prev_at + 16 * g->n_chunks > g->len
-        || g->max_off < 0 || g->max_off % 8 || g->max_off + 8 > g->len
-        || g->ticket_off < 0 || g->ticket_off % 8 || g->ticket_off + 8 > g->len) {
+    /* The chunk table, the clock and the ticket word are checked by shm_geometry_get. */
+    if (s->level_nodes[s->n_levels - 1] != 1 || s->prio_block < 1
+        || s->prio_blocks_per_chunk != (s->chunk_size + s->prio_block - 1) / s->prio_block
+        || s->prio_n_blocks != s->n_chunks * s->prio_blocks_per_chunk
+        || s->prio_rows_at < 0 || s->prio_rows_at % 8 || s->prio_rows_at + 8 * s->capacity > g->len
+        || s->prio_blocks_at < 0 || s->prio_blocks_at % 8
+        || s->prio_blocks_at + 16 * s->prio_n_blocks > g->len
+        || s->prio_prev_at < 0 || s->prio_prev_at % 8 || s->prio_prev_at + 16 * s->n_chunks > g->len
+        || !shm_is_word(s->prio_max, g->len)) {
         PyErr_SetString(PyExc_ValueError, "priority geometry does not fit the buffer");
         return -1;
     }
     /* Chunks at or above the claim count were never claimed: their entries may not
      * even have pages yet (_space), so nothing here reads them. */
-    uint64_t tickets = atomic_load_explicit(word(g, g->ticket_off), memory_order_acquire);
-    g->claimed = tickets < (uint64_t)g->n_chunks ? (int64_t)tickets : g->n_chunks;
+    uint64_t tickets = atomic_load_explicit(word(g, g->s.ticket), memory_order_acquire);
+    g->claimed = tickets < (uint64_t)g->s.n_chunks ? (int64_t)tickets : g->s.n_chunks;
     return 0;
 }
 
@@ -188,27 +176,27 @@ parse(Py_buffer *mm, PyObject *geo, PG *g)
 static void
 leaf_value(const PG *g, int tree, int64_t b, uint64_t *count, float *value)
 {
-    int64_t chunk = b / g->bpc, first = (b % g->bpc) * g->bs;
+    int64_t chunk = b / g->s.prio_blocks_per_chunk, first = (b % g->s.prio_blocks_per_chunk) * g->s.prio_block;
     *count = 0;
     *value = 0.0f;
     if (chunk >= g->claimed)
         return;                                   /* never claimed: no step */
-    uint64_t state = chunk_word(g, chunk, g->f_state);
+    uint64_t state = chunk_word(g, chunk, g->s.entry_state);
     int64_t rows = chunk_rows(g, chunk) - first;
-    if ((int64_t)((state >> g->slot_shift) & 0x7FFF) == g->no_slot || rows <= 0)
+    if ((int64_t)((state >> g->s.slot_shift) & 0x7FFF) == g->s.no_slot || rows <= 0)
         return;                                   /* never claimed, or cleared: no step */
     *count = 1;                                   /* default: "holds a step never set" */
     if ((state >> 32) & 1)
         return;
-    uint64_t tag = tag_of(chunk_word(g, chunk, g->f_ticket));
+    uint64_t tag = tag_of(chunk_word(g, chunk, g->s.entry_ticket));
     uint64_t set = atomic_load_explicit(block_word(g, b, 0), memory_order_acquire);
     uint64_t top = atomic_load_explicit(block_word(g, b, 1), memory_order_acquire);
-    if (rows > g->bs)
-        rows = g->bs;
+    if (rows > g->s.prio_block)
+        rows = g->s.prio_block;
     if (set >> 32 != tag || (int64_t)(set & U32) < rows || top >> 32 != tag)
         return;
     *count = 0;
-    *value = (float)pow((double)f32(top), g->e[tree]);
+    *value = (float)pow((double)f32(top), g->s.tree_exponent[tree]);
 }
 
 static void
@@ -229,8 +217,8 @@ refresh_node(const PG *g, int tree, int level, int64_t i)
 {
     atomic_u64 *w = node(g, tree, level, i);
     int64_t lo = i * FANOUT, hi = lo + FANOUT;
-    if (hi > g->level_n[level - 1])
-        hi = g->level_n[level - 1];
+    if (hi > g->s.level_nodes[level - 1])
+        hi = g->s.level_nodes[level - 1];
     for (;;) {
         uint64_t old = atomic_load_explicit(w, memory_order_acquire), count = 0;
         double sum = 0;
@@ -263,12 +251,12 @@ refresh_up(const PG *g, int64_t *idx, int64_t *scratch, Py_ssize_t n)
     for (Py_ssize_t i = 0; i < n; i++)
         if (i == 0 || idx[i] != idx[leaves - 1])
             idx[leaves++] = idx[i];
-    for (int t = 0; t < g->n_trees; t++) {
+    for (int t = 0; t < g->s.n_trees; t++) {
         Py_ssize_t m = leaves;
         memcpy(scratch, idx, (size_t)m * sizeof(int64_t));
         for (Py_ssize_t i = 0; i < m; i++)
             refresh_leaf(g, t, scratch[i]);
-        for (int d = 1; d < g->n_levels; d++) {
+        for (int d = 1; d < g->s.n_levels; d++) {
             Py_ssize_t up = 0;
             for (Py_ssize_t i = 0; i < m; i++) {
                 int64_t p = scratch[i] / FANOUT;
@@ -304,11 +292,11 @@ raise_tagged(atomic_u64 *w, uint64_t tag, uint64_t bits)
 static int
 leaves_cover(const PG *g, int64_t b, float v)
 {
-    for (int t = 0; t < g->n_trees; t++) {
+    for (int t = 0; t < g->s.n_trees; t++) {
         uint64_t w = atomic_load_explicit(node(g, t, 0, b), memory_order_acquire);
         if (w >> 40)
             continue;                       /* bounded by the largest priority ever set */
-        double leaf = (double)f32(w), e = g->e[t], top;
+        double leaf = (double)f32(w), e = g->s.tree_exponent[t], top;
         if (e == 1.0)
             top = leaf;
         else if (e == 0.5)
@@ -329,13 +317,13 @@ resolve(const PG *g, int64_t id, int64_t *offset, uint64_t *tag)
 {
     if (id < 0)
         return -1;
-    int64_t ticket = id / g->k, off = id % g->k, chunk = ticket % g->n_chunks;
+    int64_t ticket = id / g->s.chunk_size, off = id % g->s.chunk_size, chunk = ticket % g->s.n_chunks;
     if (chunk >= g->claimed || off >= chunk_rows(g, chunk))
         return -1;
-    uint64_t state = chunk_word(g, chunk, g->f_state);
-    if ((state >> 32) & 1 || (int64_t)chunk_word(g, chunk, g->f_ticket) != ticket
-        || (int64_t)chunk_word(g, chunk, g->f_count) <= off
-        || chunk_word(g, chunk, g->f_state) >> 32 != state >> 32)
+    uint64_t state = chunk_word(g, chunk, g->s.entry_state);
+    if ((state >> 32) & 1 || (int64_t)chunk_word(g, chunk, g->s.entry_ticket) != ticket
+        || (int64_t)chunk_word(g, chunk, g->s.entry_count) <= off
+        || chunk_word(g, chunk, g->s.entry_state) >> 32 != state >> 32)
         return -1;
     *offset = off;
     *tag = tag_of((uint64_t)ticket);
@@ -377,7 +365,7 @@ update(PyObject *self, PyObject *args)
     const float *val = vals.buf;
     Py_ssize_t updated = 0, raised = 0, filled = 0;
     Py_BEGIN_ALLOW_THREADS
-    atomic_u64 *top = word(&g, g.max_off);
+    atomic_u64 *top = word(&g, g.s.prio_max);
     for (Py_ssize_t i = 0; i < n; i++) {
         uint64_t tag = 0, bits = bits32(val[i]);
         chunk[i] = resolve(&g, id[i], &offs[i], &tag);
@@ -387,7 +375,7 @@ update(PyObject *self, PyObject *args)
         uint64_t want = (1ull << 32) | bits, old = atomic_load_explicit(top, memory_order_acquire);
         while (old < want && !atomic_compare_exchange_strong(top, &old, want))
             ;
-        int64_t b = chunk[i] * g.bpc + offs[i] / g.bs;
+        int64_t b = chunk[i] * g.s.prio_blocks_per_chunk + offs[i] / g.s.prio_block;
         int r = raise_tagged(block_word(&g, b, 1), tag, bits);
         if (r < 0) {
             chunk[i] = -1;          /* the claim's reset is not done: not ours to set */
@@ -398,8 +386,8 @@ update(PyObject *self, PyObject *args)
          * the leaf leaves the max above the leaf, and this row must not be written
          * above a leaf that does not cover it. */
         uint64_t set = atomic_load_explicit(block_word(&g, b, 0), memory_order_acquire);
-        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.bs) * g.bs;
-        int full = set >> 32 == tag && (int64_t)(set & U32) >= (rows < g.bs ? rows : g.bs);
+        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.s.prio_block) * g.s.prio_block;
+        int full = set >> 32 == tag && (int64_t)(set & U32) >= (rows < g.s.prio_block ? rows : g.s.prio_block);
         if (r > 0 || (full && !leaves_cover(&g, b, val[i])))
             touched[raised++] = b;
     }
@@ -408,8 +396,8 @@ update(PyObject *self, PyObject *args)
         if (chunk[i] < 0)
             continue;
         uint64_t tag = tags[i];    /* the claim the id named, even if recycled since */
-        int64_t b = chunk[i] * g.bpc + offs[i] / g.bs;
-        uint64_t old = atomic_exchange(word(&g, g.rows_at + 8 * (chunk[i] * g.k + offs[i])),
+        int64_t b = chunk[i] * g.s.prio_blocks_per_chunk + offs[i] / g.s.prio_block;
+        uint64_t old = atomic_exchange(word(&g, g.s.prio_rows_at + 8 * (chunk[i] * g.s.chunk_size + offs[i])),
                                        tag << 32 | bits32(val[i]));
         updated++;
         if (old >> 32 == tag)
@@ -418,8 +406,8 @@ update(PyObject *self, PyObject *args)
         uint64_t was = atomic_load_explicit(set, memory_order_acquire);
         while (was >> 32 == tag && !atomic_compare_exchange_strong(set, &was, was + 1))
             ;
-        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.bs) * g.bs;
-        if (was >> 32 == tag && (int64_t)(was & U32) + 1 >= (rows < g.bs ? rows : g.bs))
+        int64_t rows = chunk_rows(&g, chunk[i]) - (offs[i] / g.s.prio_block) * g.s.prio_block;
+        if (was >> 32 == tag && (int64_t)(was & U32) + 1 >= (rows < g.s.prio_block ? rows : g.s.prio_block))
             touched[filled++] = b;
     }
     refresh_up(&g, touched, scratch, filled);
@@ -451,23 +439,23 @@ reset(PyObject *self, PyObject *args)
     int64_t *idx = NULL;
     if (parse(&mm, geo, &g) < 0)
         goto done;
-    if (chunk < 0 || chunk >= g.n_chunks || ticket < 0) {
+    if (chunk < 0 || chunk >= g.s.n_chunks || ticket < 0) {
         PyErr_SetString(PyExc_ValueError, "reset: chunk or ticket out of range");
         goto done;
     }
-    idx = PyMem_Malloc((size_t)g.bpc * 16);
+    idx = PyMem_Malloc((size_t)g.s.prio_blocks_per_chunk * 16);
     if (!idx) {
         PyErr_NoMemory();
         goto done;
     }
     uint64_t tag = tag_of((uint64_t)ticket);
-    for (int64_t j = 0; j < g.bpc; j++) {
-        int64_t b = chunk * g.bpc + j;
+    for (int64_t j = 0; j < g.s.prio_blocks_per_chunk; j++) {
+        int64_t b = chunk * g.s.prio_blocks_per_chunk + j;
         atomic_store_explicit(block_word(&g, b, 1), tag << 32, memory_order_release);
         atomic_store_explicit(block_word(&g, b, 0), tag << 32, memory_order_release);
         idx[j] = b;
     }
-    refresh_up(&g, idx, idx + g.bpc, g.bpc);
+    refresh_up(&g, idx, idx + g.s.prio_blocks_per_chunk, g.s.prio_blocks_per_chunk);
     result = Py_None;
     Py_INCREF(result);
 done:
@@ -494,11 +482,11 @@ repair(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    for (int t = 0; t < g.n_trees; t++) {
-        for (int64_t b = 0; b < g.n_blocks; b++)
+    for (int t = 0; t < g.s.n_trees; t++) {
+        for (int64_t b = 0; b < g.s.prio_n_blocks; b++)
             refresh_leaf(&g, t, b);
-        for (int d = 1; d < g.n_levels; d++)
-            for (int64_t i = 0; i < g.level_n[d]; i++)
+        for (int d = 1; d < g.s.n_levels; d++)
+            for (int64_t i = 0; i < g.s.level_nodes[d]; i++)
                 refresh_node(&g, t, d, i);
     }
     Py_END_ALLOW_THREADS
@@ -524,19 +512,19 @@ stale_nodes(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_ssize_t leaves = 0, nodes = 0;
-    for (int t = 0; t < g.n_trees; t++) {
-        for (int64_t b = 0; b < g.n_blocks; b++) {
+    for (int t = 0; t < g.s.n_trees; t++) {
+        for (int64_t b = 0; b < g.s.prio_n_blocks; b++) {
             uint64_t count, v = atomic_load_explicit(node(&g, t, 0, b), memory_order_acquire);
             float value;
             leaf_value(&g, t, b, &count, &value);
             leaves += (v >> 40) != count || f32(v) != value;
         }
-        for (int d = 1; d < g.n_levels; d++) {
-            for (int64_t i = 0; i < g.level_n[d]; i++) {
+        for (int d = 1; d < g.s.n_levels; d++) {
+            for (int64_t i = 0; i < g.s.level_nodes[d]; i++) {
                 uint64_t v = atomic_load_explicit(node(&g, t, d, i), memory_order_acquire);
                 uint64_t count = 0;
                 double sum = 0;
-                for (int64_t c = i * FANOUT; c < (i + 1) * FANOUT && c < g.level_n[d - 1]; c++) {
+                for (int64_t c = i * FANOUT; c < (i + 1) * FANOUT && c < g.s.level_nodes[d - 1]; c++) {
                     uint64_t w = atomic_load_explicit(node(&g, t, d - 1, c), memory_order_acquire);
                     count += w >> 40;
                     sum += f32(w);
@@ -555,9 +543,9 @@ stale_nodes(PyObject *self, PyObject *args)
 static inline double
 priority_at(const PG *g, int64_t row, double dflt, int *explicit)
 {
-    int64_t chunk = row / g->k;
-    uint64_t tag = tag_of(chunk_word(g, chunk, g->f_ticket));
-    uint64_t w = atomic_load_explicit(word(g, g->rows_at + 8 * row), memory_order_relaxed);
+    int64_t chunk = row / g->s.chunk_size;
+    uint64_t tag = tag_of(chunk_word(g, chunk, g->s.entry_ticket));
+    uint64_t w = atomic_load_explicit(word(g, g->s.prio_rows_at + 8 * row), memory_order_relaxed);
     *explicit = w >> 32 == tag;
     return *explicit ? (double)f32(w) : dflt;
 }
@@ -594,7 +582,7 @@ values(PyObject *self, PyObject *args)
     double dflt = largest(&g);
     for (Py_ssize_t i = 0; i < n; i++) {
         int explicit = 0;
-        if (r[i] < 0 || r[i] >= g.capacity) {
+        if (r[i] < 0 || r[i] >= g.s.capacity) {
             PyErr_SetString(PyExc_ValueError, "values: row out of range");
             goto done;
         }
@@ -617,15 +605,15 @@ done:
 static int64_t
 predecessor(const PG *g, int64_t chunk, int64_t seq, int64_t *pseq)
 {
-    uint64_t p = atomic_load_explicit(word(g, g->prev_at + 16 * chunk), memory_order_acquire);
-    int64_t ps = (int64_t)atomic_load_explicit(word(g, g->prev_at + 16 * chunk + 8),
+    uint64_t p = atomic_load_explicit(word(g, g->s.prio_prev_at + 16 * chunk), memory_order_acquire);
+    int64_t ps = (int64_t)atomic_load_explicit(word(g, g->s.prio_prev_at + 16 * chunk + 8),
                                                memory_order_acquire);
-    if (p == 0 || p > (uint64_t)g->n_chunks)
+    if (p == 0 || p > (uint64_t)g->s.n_chunks)
         return -1;
     int64_t pc = (int64_t)p - 1;
-    if (pc >= g->claimed || (int64_t)(chunk_word(g, pc, g->f_state) >> 32) != ps || (ps & 1)
-        || chunk_word(g, pc, g->f_next) != (uint64_t)chunk + 1
-        || (int64_t)chunk_word(g, pc, g->f_next_seq) != seq)
+    if (pc >= g->claimed || (int64_t)(chunk_word(g, pc, g->s.entry_state) >> 32) != ps || (ps & 1)
+        || chunk_word(g, pc, g->s.entry_next) != (uint64_t)chunk + 1
+        || (int64_t)chunk_word(g, pc, g->s.entry_next_seq) != seq)
         return -1;
     *pseq = ps;
     return pc;
@@ -657,14 +645,14 @@ propose(PyObject *self, PyObject *args)
         goto done;
     Py_ssize_t n = out.len / 8;
     if (out.len % 8 || raw.len != n * 16 || length < 1 || !(top >= 0) || tree < 0
-        || tree >= g.n_trees) {
+        || tree >= g.s.n_trees) {
         PyErr_SetString(PyExc_ValueError, "propose: arguments do not fit");
         goto done;
     }
     const uint64_t *rw = raw.buf;
     int64_t *starts = out.buf;
-    double g0 = pow(top, g.e[tree]);
-    uint64_t positions = (uint64_t)(g.bs + length - 1);
+    double g0 = pow(top, g.s.tree_exponent[tree]);
+    uint64_t positions = (uint64_t)(g.s.prio_block + length - 1);
     /* Breadth first: every proposal descends one level before any goes deeper,
      * and the children of all of them are prefetched first, so the cache misses
      * of a level overlap instead of following one another. */
@@ -681,7 +669,7 @@ propose(PyObject *self, PyObject *args)
         at[i] = 0;
         us[i] = (double)(rw[2 * i] >> 11) * 0x1.0p-53;
     }
-    for (int d = g.n_levels - 2; d >= 0; d--) {
+    for (int d = g.s.n_levels - 2; d >= 0; d--) {
         for (Py_ssize_t i = 0; i < n; i++) {
             if (at[i] >= 0) {
                 const char *first = (const char *)node(&g, tree, d, at[i] * FANOUT);
@@ -694,8 +682,8 @@ propose(PyObject *self, PyObject *args)
             if (j < 0)
                 continue;
             int64_t lo = j * FANOUT, hi = lo + FANOUT;
-            if (hi > g.level_n[d])
-                hi = g.level_n[d];
+            if (hi > g.s.level_nodes[d])
+                hi = g.s.level_nodes[d];
             double w[FANOUT], total = 0;
             for (int64_t c = lo; c < hi; c++) {
                 uint64_t v = atomic_load_explicit(node(&g, tree, d, c), memory_order_acquire);
@@ -728,31 +716,31 @@ propose(PyObject *self, PyObject *args)
         starts[i] = -1;
         if (j < 0)
             continue;
-        if (g.n_levels == 1 && !(leaf_bound(&g, tree, 0, g0) > 0))
+        if (g.s.n_levels == 1 && !(leaf_bound(&g, tree, 0, g0) > 0))
             continue;
-        int64_t chunk = j / g.bpc, first = (j % g.bpc) * g.bs;
+        int64_t chunk = j / g.s.prio_blocks_per_chunk, first = (j % g.s.prio_blocks_per_chunk) * g.s.prio_block;
         int64_t rel = (int64_t)(((unsigned __int128)rw[2 * i + 1] * positions) >> 64)
                       - (length - 1);
-        int64_t last = first + g.bs < chunk_rows(&g, chunk) ? first + g.bs : chunk_rows(&g, chunk);
+        int64_t last = first + g.s.prio_block < chunk_rows(&g, chunk) ? first + g.s.prio_block : chunk_rows(&g, chunk);
         if (rel >= 0) {
             if (first + rel < last)
-                starts[i] = chunk * g.k + first + rel;
+                starts[i] = chunk * g.s.chunk_size + first + rel;
             continue;
         }
         int64_t back = -rel;                  /* steps before the block's first row */
         if (back <= first) {
-            starts[i] = chunk * g.k + first - back;
+            starts[i] = chunk * g.s.chunk_size + first - back;
             continue;
         }
         back -= first;
-        int64_t seq = (int64_t)(chunk_word(&g, chunk, g.f_state) >> 32);
+        int64_t seq = (int64_t)(chunk_word(&g, chunk, g.s.entry_state) >> 32);
         for (int64_t hop = 0; hop < length && !(seq & 1); hop++) {
             int64_t pseq, pc = predecessor(&g, chunk, seq, &pseq);
             if (pc < 0)
                 break;
             int64_t rows = chunk_rows(&g, pc);
             if (back <= rows) {
-                starts[i] = pc * g.k + rows - back;
+                starts[i] = pc * g.s.chunk_size + rows - back;
                 break;
             }
             back -= rows;
@@ -802,20 +790,20 @@ score_ratio(PyObject *self, PyObject *args)
         goto done;
     Py_ssize_t m = sc.len / 8;
     if (sc.len % 8 || ra.len != sc.len || (m > 0 && rows.len % (m * 8)) || tree < -1
-        || tree >= g.n_trees) {
+        || tree >= g.s.n_trees) {
         PyErr_SetString(PyExc_ValueError, "score_ratio: arguments do not fit");
         goto done;
     }
     Py_ssize_t length = m ? rows.len / 8 / m : 0;
     const int64_t *r = rows.buf;
     for (Py_ssize_t i = 0; i < m * length; i++) {
-        if (r[i] < 0 || r[i] >= g.capacity) {
+        if (r[i] < 0 || r[i] >= g.s.capacity) {
             PyErr_SetString(PyExc_ValueError, "score_ratio: row out of range");
             goto done;
         }
     }
     int by_tree = tree >= 0;
-    double e0 = by_tree ? g.e[tree] : 0;
+    double e0 = by_tree ? g.s.tree_exponent[tree] : 0;
     double g0 = pow(top, e0), scale = pow(top, exponent - e0);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m; i++) {
@@ -823,9 +811,9 @@ score_ratio(PyObject *self, PyObject *args)
         double hi = 0, sum = 0, bound = 0;
         if (i + 8 < m) {   /* start the misses of a later window while this one is scored */
             const int64_t *v = w + 8 * length;
-            __builtin_prefetch(g.base + g.rows_at + 8 * v[0]);
-            __builtin_prefetch(g.base + g.rows_at + 8 * v[length - 1]);
-            __builtin_prefetch(g.base + g.chunks_at + (v[0] / g.k) * g.entry + g.f_ticket);
+            __builtin_prefetch(g.base + g.s.prio_rows_at + 8 * v[0]);
+            __builtin_prefetch(g.base + g.s.prio_rows_at + 8 * v[length - 1]);
+            __builtin_prefetch(g.base + g.s.chunks_at + (v[0] / g.s.chunk_size) * g.s.entry_bytes + g.s.entry_ticket);
         }
         /* Rows run consecutively within each chunk of the window: the chunk's tag
          * and the block are found once per chunk and stepped at block ends. */
@@ -834,21 +822,21 @@ score_ratio(PyObject *self, PyObject *args)
         for (Py_ssize_t t = 0; t < length; t++) {
             int64_t row = w[t];
             if (row < lo_row || row >= hi_row || row != w[t - (t > 0)] + (t > 0)) {
-                int64_t chunk = row / g.k, first = (row - chunk * g.k) / g.bs;
-                lo_row = chunk * g.k;
+                int64_t chunk = row / g.s.chunk_size, first = (row - chunk * g.s.chunk_size) / g.s.prio_block;
+                lo_row = chunk * g.s.chunk_size;
                 hi_row = lo_row + chunk_rows(&g, chunk);
-                tag = tag_of(chunk_word(&g, chunk, g.f_ticket));
-                b = chunk * g.bpc + first;
-                block_end = lo_row + (first + 1) * g.bs;
+                tag = tag_of(chunk_word(&g, chunk, g.s.entry_ticket));
+                b = chunk * g.s.prio_blocks_per_chunk + first;
+                block_end = lo_row + (first + 1) * g.s.prio_block;
                 if (by_tree)
                     bound += leaf_bound(&g, tree, b, g0);
             } else if (row >= block_end) {
                 b++;
-                block_end += g.bs;
+                block_end += g.s.prio_block;
                 if (by_tree)
                     bound += leaf_bound(&g, tree, b, g0);
             }
-            uint64_t pw = atomic_load_explicit(word(&g, g.rows_at + 8 * row), memory_order_relaxed);
+            uint64_t pw = atomic_load_explicit(word(&g, g.s.prio_rows_at + 8 * row), memory_order_relaxed);
             double p = pw >> 32 == tag ? (double)f32(pw) : top;
             hi = p > hi ? p : hi;
             sum += p;
@@ -884,14 +872,14 @@ mass(PyObject *self, PyObject *args)
         PyBuffer_Release(&mm);
         return NULL;
     }
-    if (tree < 0 || tree >= g.n_trees) {
+    if (tree < 0 || tree >= g.s.n_trees) {
         PyBuffer_Release(&mm);
         PyErr_SetString(PyExc_ValueError, "mass: no such tree");
         return NULL;
     }
-    uint64_t v = atomic_load_explicit(node(&g, tree, g.n_levels - 1, 0), memory_order_acquire);
+    uint64_t v = atomic_load_explicit(node(&g, tree, g.s.n_levels - 1, 0), memory_order_acquire);
     PyBuffer_Release(&mm);
-    return PyFloat_FromDouble((double)(v >> 40) * pow(top, g.e[tree]) + (double)f32(v));
+    return PyFloat_FromDouble((double)(v >> 40) * pow(top, g.s.tree_exponent[tree]) + (double)f32(v));
 }
 
 static PyMethodDef methods[] = {
@@ -905,6 +893,7 @@ static PyMethodDef methods[] = {
     {"score_ratio", score_ratio, METH_VARARGS,
      "score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, tree, score, ratio)"},
     {"mass", mass, METH_VARARGS, "mass(buffer, geometry, tree, largest) -> float"},
+    SHM_READ_GEOMETRY_METHOD,
     {NULL, NULL, 0, NULL},
 };
 
@@ -917,5 +906,10 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__prio(void)
 {
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && shm_geometry_export(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

@@ -4,8 +4,13 @@ from typing import Any
 import numpy as np
 
 _Buffer = Any  # the segment's mmap
-_Geometry = tuple[Any, ...]  # _ring.Priorities.geometry: sizes, chunk fields, regions, trees
+_Geometry = bytes  # Ring.geometry, packed by protocol.geometry: see shmbuf_words.h
 
+GEOMETRY_FIELDS: tuple[tuple[str, int, str, int], ...]  # (name, offset, format, count)
+GEOMETRY_SIZE: int
+GEOMETRY_MAGIC: int
+
+def read_geometry(geometry: _Geometry, buffer: _Buffer, /) -> dict[str, Any]: ...
 def update(buffer: _Buffer, geometry: _Geometry, ids: np.ndarray, values: np.ndarray,
            /) -> int: ...
 def reset(buffer: _Buffer, geometry: _Geometry, chunk: int, ticket: int, /) -> None: ...

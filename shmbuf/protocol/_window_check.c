@@ -2,7 +2,7 @@
  * The sampler's inner loop: which candidate start rows begin a valid window,
  * and, after the copy, whether the chunks a window used were recycled.
  *
- * shmbuf/sampling.py states the rules and keeps everything else (drawing
+ * shmbuf/sampling/windows.py states the rules and keeps everything else (drawing
  * candidates, retries, the gather).  Doing this per candidate in C replaces
  * about forty whole-array numpy passes with one pass that stops as soon as
  * enough windows are found, which is what made small batches slow.
@@ -14,7 +14,8 @@
  * Memory orders mirror the Python protocol (docs/design.md): a chunk's state
  * word, then its count, then its next link, each loaded with acquire, so that
  * the rows and episode numbers read afterwards are at least as new as the
- * count that published them.
+ * count that published them; `unchanged` runs one acquire fence, then
+ * relaxed loads of the state words.  The _ep words are loaded relaxed.
  *
  * Both functions take an optional `preempt` callable, called (with the GIL
  * held) before every load from the segment.  Tests use it to run a writer at
@@ -23,28 +24,18 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <stdatomic.h>
-#include <stdint.h>
 
-typedef _Atomic uint64_t atomic_u64;
+#include "shmbuf_words.h"
 
 /*
  * The chunk entry's size and the offsets of the fields read here are not
- * declared in C: they arrive in the geometry tuple that _ring.Ring.geometry
- * builds from _layout.CHUNK_ENTRY and CHUNK_FIELDS, the one definition.  The
- * module attribute FIELDS names them in the order the tuple carries them.
+ * declared in C: they arrive in the packed geometry (shmbuf_words.h) that
+ * protocol.geometry builds from protocol.layout, the one definition.
  */
 typedef struct {
+    ShmGeometry s;       /* the chunk table, the episode column: see shmbuf_words.h */
     char *base;          /* start of the mapping */
     Py_ssize_t len;      /* its length */
-    int64_t chunks_at;   /* offset of the chunk table */
-    int64_t n_chunks;
-    int64_t k;           /* chunk size in rows */
-    int64_t capacity;
-    int64_t ep_at;       /* offset of the int64 episode column */
-    int64_t entry;       /* bytes per chunk entry */
-    int64_t f_state, f_count, f_next, f_next_seq, f_starts;  /* field offsets in an entry */
-    int64_t starts_bits; /* width of each row offset in the starts word */
     PyObject *preempt;   /* None-or-callable test hook, see above; NULL if None */
 } Geometry;
 
@@ -66,9 +57,8 @@ call_preempt(PyObject *preempt)
 static inline uint64_t
 chunk_word(const Geometry *g, int64_t chunk, int64_t field)
 {
-    return atomic_load_explicit(
-        (atomic_u64 *)(g->base + g->chunks_at + chunk * g->entry + field),
-        memory_order_acquire);
+    return shm_load(g->base, g->s.chunks_at + chunk * g->s.entry_bytes + field,
+                    memory_order_acquire);
 }
 
 /*
@@ -81,13 +71,13 @@ static int
 follow(const Geometry *g, int64_t *chunk, int64_t *seq)
 {
     PREEMPT(g);
-    uint64_t next = chunk_word(g, *chunk, g->f_next);
+    uint64_t next = chunk_word(g, *chunk, g->s.entry_next);
     PREEMPT(g);
-    int64_t next_seq = (int64_t)chunk_word(g, *chunk, g->f_next_seq);
-    if (next == 0 || next > (uint64_t)g->n_chunks)
+    int64_t next_seq = (int64_t)chunk_word(g, *chunk, g->s.entry_next_seq);
+    if (next == 0 || next > (uint64_t)g->s.n_chunks)
         return 0;
     PREEMPT(g);
-    int64_t now = (int64_t)(chunk_word(g, (int64_t)next - 1, g->f_state) >> 32);
+    int64_t now = (int64_t)(chunk_word(g, (int64_t)next - 1, g->s.entry_state) >> 32);
     if (now != next_seq)
         return 0;                                    /* recycled since the link */
     *chunk = (int64_t)next - 1;
@@ -98,13 +88,12 @@ follow(const Geometry *g, int64_t *chunk, int64_t *seq)
 static inline int64_t
 episode_of(const Geometry *g, int64_t row)
 {
-    return (int64_t)atomic_load_explicit(
-        (atomic_u64 *)(g->base + g->ep_at + row * 8), memory_order_relaxed);
+    return (int64_t)shm_load(g->base, g->s.ep_at + row * 8, memory_order_relaxed);
 }
 
 /*
  * Does an episode start at a row in (lo, hi] of `chunk` (rows of the chunk)?
- * Read from the chunk entry's starts word (_layout: first start, last start,
+ * Read from the chunk entry's starts word (protocol.layout: first start, last start,
  * how many, saturating at 3), loaded after the count.  1: yes, the window
  * crosses an episode; 0: no; 2: the word cannot tell (three or more starts
  * and the window lies between the first and the last, or an untracked
@@ -114,11 +103,11 @@ episode_of(const Geometry *g, int64_t row)
 static inline int
 starts_in(const Geometry *g, int64_t chunk, int64_t lo, int64_t hi)
 {
-    uint64_t word = chunk_word(g, chunk, g->f_starts);
-    uint64_t mask = ((uint64_t)1 << g->starts_bits) - 1, n = word >> (2 * g->starts_bits);
+    uint64_t word = chunk_word(g, chunk, g->s.entry_starts);
+    uint64_t mask = ((uint64_t)1 << g->s.starts_bits) - 1, n = word >> (2 * g->s.starts_bits);
     if (n == 0)
         return 0;
-    int64_t first = (int64_t)(word & mask), last = (int64_t)((word >> g->starts_bits) & mask);
+    int64_t first = (int64_t)(word & mask), last = (int64_t)((word >> g->s.starts_bits) & mask);
     if (n >= 2 && first >= last)
         return 2;
     if ((first > lo && first <= hi) || (last > lo && last <= hi))
@@ -129,8 +118,8 @@ starts_in(const Geometry *g, int64_t chunk, int64_t lo, int64_t hi)
 static inline int64_t
 chunk_rows(const Geometry *g, int64_t chunk)
 {
-    int64_t left = g->capacity - chunk * g->k;
-    return left < g->k ? left : g->k;
+    int64_t left = g->s.capacity - chunk * g->s.chunk_size;
+    return left < g->s.chunk_size ? left : g->s.chunk_size;
 }
 
 /*
@@ -144,15 +133,15 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
            int64_t max_hops, int64_t *rows, int64_t *hop_chunks,
            int64_t *hop_seqs, int64_t *hops)
 {
-    if (start < 0 || start >= g->capacity)
+    if (start < 0 || start >= g->s.capacity)
         return 0;
-    int64_t chunk = start / g->k, offset = start - chunk * g->k;
+    int64_t chunk = start / g->s.chunk_size, offset = start - chunk * g->s.chunk_size;
     PREEMPT(g);
-    int64_t seq = (int64_t)(chunk_word(g, chunk, g->f_state) >> 32);
+    int64_t seq = (int64_t)(chunk_word(g, chunk, g->s.entry_state) >> 32);
     if (seq & 1)
         return 0;                                    /* being recycled */
     PREEMPT(g);
-    int64_t count = (int64_t)chunk_word(g, chunk, g->f_count);
+    int64_t count = (int64_t)chunk_word(g, chunk, g->s.entry_count);
     int64_t rows_here = chunk_rows(g, chunk);
     if (count > rows_here || offset >= count)
         return 0;
@@ -160,7 +149,7 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
     int unknown = 0, in;
     hop_chunks[n] = chunk;
     hop_seqs[n++] = seq;
-    for (int64_t r = start; t < length && r < chunk * g->k + count; r++)
+    for (int64_t r = start; t < length && r < chunk * g->s.chunk_size + count; r++)
         rows[t++] = r;
     PREEMPT(g);
     in = starts_in(g, chunk, offset, offset + (t - 1 < last_t ? t - 1 : last_t));
@@ -176,14 +165,14 @@ locate_one(const Geometry *g, int64_t start, int64_t length, int64_t tail,
         if (linked <= 0)
             return linked;
         PREEMPT(g);
-        count = (int64_t)chunk_word(g, chunk, g->f_count);
+        count = (int64_t)chunk_word(g, chunk, g->s.entry_count);
         rows_here = chunk_rows(g, chunk);
         if (count > rows_here)
             return 0;
         hop_chunks[n] = chunk;
         hop_seqs[n++] = seq;
         int64_t t0 = t;
-        for (int64_t r = chunk * g->k; t < length && r < chunk * g->k + count; r++)
+        for (int64_t r = chunk * g->s.chunk_size; t < length && r < chunk * g->s.chunk_size + count; r++)
             rows[t++] = r;
         if (count == 0)
             return 0;
@@ -217,32 +206,9 @@ static int
 get_geometry(Py_buffer *mm, PyObject *geo, PyObject *preempt, Geometry *g)
 {
     g->preempt = preempt == Py_None ? NULL : preempt;
-    if (!PyArg_ParseTuple(geo, "LLLLLLLLLLLL", &g->chunks_at, &g->n_chunks, &g->k,
-                          &g->capacity, &g->ep_at, &g->entry, &g->f_state, &g->f_count,
-                          &g->f_next, &g->f_next_seq, &g->f_starts, &g->starts_bits))
-        return -1;
     g->base = (char *)mm->buf;
     g->len = mm->len;
-    if (g->starts_bits < 1 || g->starts_bits > 31) {
-        PyErr_SetString(PyExc_ValueError, "geometry: starts_bits must be 1..31");
-        return -1;
-    }
-    int64_t fields[5] = {g->f_state, g->f_count, g->f_next, g->f_next_seq, g->f_starts};
-    for (int f = 0; f < 5; f++) {
-        if (fields[f] < 0 || fields[f] % 8 || fields[f] + 8 > g->entry) {
-            PyErr_SetString(PyExc_ValueError, "geometry: a chunk field lies outside its entry");
-            return -1;
-        }
-    }
-    if (g->k < 1 || g->n_chunks < 1 || g->capacity < 1 || g->entry < 8 || g->entry % 8
-        || g->capacity > g->n_chunks * g->k
-        || g->chunks_at < 0 || g->chunks_at % 8
-        || g->chunks_at + g->n_chunks * g->entry > g->len
-        || g->ep_at < 0 || g->ep_at % 8 || g->ep_at + g->capacity * 8 > g->len) {
-        PyErr_SetString(PyExc_ValueError, "geometry does not fit the buffer");
-        return -1;
-    }
-    return 0;
+    return shm_geometry_get(geo, mm->len, &g->s);
 }
 
 static int
@@ -260,9 +226,7 @@ check_len(Py_buffer *b, Py_ssize_t items, const char *what)
  * find(buffer, geometry, starts, span, length, tail, need, max_hops,
  *      picked, rows, hop_chunks, hop_seqs, preempt=None) -> (found, examined)
  *
- * geometry = (chunks_at, n_chunks, chunk_size, capacity, ep_at, entry bytes,
- * then the offsets of FIELDS in an entry, then _layout.STARTS_BITS), from
- * _ring.Ring.geometry.  Examines
+ * geometry: the ring's packed geometry (protocol.geometry, Ring.geometry).  Examines
  * the 8-byte `starts` in order until `need` valid windows are found.  With
  * span == 0 they are int64 start rows; with span > 0 they are raw uniform
  * 64-bit words (Generator.bit_generator.random_raw), each mapped to a row in
@@ -373,7 +337,7 @@ unchanged(PyObject *self, PyObject *args)
         goto done;
     }
     const int64_t *c = hc.buf, *s = hs.buf;
-    atomic_thread_fence(memory_order_acquire);
+    shm_fence(memory_order_acquire);
     for (Py_ssize_t i = 0; i < n; i++) {
         char same = 1;
         for (Py_ssize_t h = 0; h < max_hops; h++) {
@@ -382,12 +346,12 @@ unchanged(PyObject *self, PyObject *args)
                 break;
             if (g.preempt && call_preempt(g.preempt) < 0)
                 goto done;
-            if (chunk >= g.n_chunks) {
+            if (chunk >= g.s.n_chunks) {
                 same = 0;
                 break;
             }
-            uint64_t state = atomic_load_explicit(
-                (atomic_u64 *)(g.base + g.chunks_at + chunk * g.entry + g.f_state),
+            uint64_t state = shm_load(
+                g.base, g.s.chunks_at + chunk * g.s.entry_bytes + g.s.entry_state,
                 memory_order_relaxed);
             if ((int64_t)(state >> 32) != s[i * max_hops + h]) {
                 same = 0;
@@ -416,19 +380,19 @@ seek_one(const Geometry *g, int64_t chunk, int64_t seq, int64_t offset, int64_t 
          int64_t *row)
 {
     *row = -1;
-    if (chunk < 0 || chunk >= g->n_chunks || offset < 0 || advance < 0)
+    if (chunk < 0 || chunk >= g->s.n_chunks || offset < 0 || advance < 0)
         return 0;
     PREEMPT(g);
-    if ((int64_t)(chunk_word(g, chunk, g->f_state) >> 32) != seq)
+    if ((int64_t)(chunk_word(g, chunk, g->s.entry_state) >> 32) != seq)
         return 0;
-    for (int64_t hops = 0; hops <= g->n_chunks; hops++) {
+    for (int64_t hops = 0; hops <= g->s.n_chunks; hops++) {
         int64_t rows_here = chunk_rows(g, chunk);
         if (offset + advance < rows_here) {
-            *row = chunk * g->k + offset + advance;
+            *row = chunk * g->s.chunk_size + offset + advance;
             return 0;
         }
         PREEMPT(g);
-        if ((int64_t)chunk_word(g, chunk, g->f_count) != rows_here)
+        if ((int64_t)chunk_word(g, chunk, g->s.entry_count) != rows_here)
             return 0;                                /* not full: no successor yet */
         advance -= rows_here - offset;
         offset = 0;
@@ -491,6 +455,7 @@ static PyMethodDef methods[] = {
      "unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)"},
     {"seek", seek, METH_VARARGS,
      "seek(buffer, geometry, chunks, seqs, offsets, advances, rows, preempt=None)"},
+    SHM_READ_GEOMETRY_METHOD,
     {NULL, NULL, 0, NULL},
 };
 
@@ -505,9 +470,7 @@ PyInit__window_check(void)
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
         return NULL;
-    PyObject *fields = Py_BuildValue("(sssss)", "state", "count", "next", "next_seq", "starts");
-    if (fields == NULL || PyModule_AddObject(m, "FIELDS", fields) < 0) {
-        Py_XDECREF(fields);
+    if (shm_geometry_export(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -4,11 +4,14 @@ from typing import Any, Callable
 import numpy as np
 
 _Buffer = Any  # the segment's mmap
-_Geometry = tuple[int, ...]  # Ring.geometry: sizes, the chunk fields C reads, STARTS_BITS
+_Geometry = bytes  # Ring.geometry, packed by protocol.geometry: see shmbuf_words.h
 _Preempt = Callable[[], object] | None
 
-FIELDS: tuple[str, ...]
+GEOMETRY_FIELDS: tuple[tuple[str, int, str, int], ...]  # (name, offset, format, count)
+GEOMETRY_SIZE: int
+GEOMETRY_MAGIC: int
 
+def read_geometry(geometry: _Geometry, buffer: _Buffer, /) -> dict[str, Any]: ...
 def find(buffer: _Buffer, geometry: _Geometry, starts: np.ndarray, span: int, length: int,
          tail: int, need: int, max_hops: int, picked: np.ndarray, rows: np.ndarray | None,
          hop_chunks: np.ndarray | None, hop_seqs: np.ndarray | None,

@@ -177,6 +177,7 @@ CHUNK_ENTRY = 64
 CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40,
                 "starts": 48}
 NO_SLOT = 0x7FFF
+SLOT_SHIFT = 16      # the owner slot's position in the state word
 SEALED = 1 << 31
 
 # A chunk's episode starts (``starts``): the rows of the chunk at which an
@@ -203,11 +204,12 @@ TERMINAL = 1
 
 
 def pack_chunk_state(seq: int, sealed: bool, slot: int, lease: int) -> int:
-    return ((seq & 0xFFFFFFFF) << 32) | (SEALED if sealed else 0) | (slot << 16) | (lease & 0xFFFF)
+    return (((seq & 0xFFFFFFFF) << 32) | (SEALED if sealed else 0) | (slot << SLOT_SHIFT)
+            | (lease & 0xFFFF))
 
 
 def unpack_chunk_state(state: int) -> tuple[int, bool, int, int]:
-    return state >> 32, bool(state & SEALED), (state >> 16) & NO_SLOT, state & 0xFFFF
+    return state >> 32, bool(state & SEALED), (state >> SLOT_SHIFT) & NO_SLOT, state & 0xFFFF
 
 
 @dataclasses.dataclass(frozen=True)

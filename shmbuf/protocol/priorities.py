@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _atomic as atomic
 from . import _prio
-from .layout import CHUNK_ENTRY, CHUNK_FIELDS, COUNTERS, NO_SLOT, PRIORITY_COLUMN
+from .layout import COUNTERS
 from .words import _COUNT, _STATE, _TICKET, _U32
 
 if TYPE_CHECKING:  # annotations only: the ring builds these objects
@@ -33,14 +33,8 @@ class Priorities:
         self.block = lay.priority_block
         self._max_off = COUNTERS["max_priority"]
         self._prev_off = lay.priority_prev_offset
-        # The geometry _prio.c works with, all from _layout.
-        self.geometry = (lay.chunks_offset, lay.n_chunks, lay.chunk_size, lay.capacity,
-                         CHUNK_ENTRY, CHUNK_FIELDS["state"], CHUNK_FIELDS["count"],
-                         CHUNK_FIELDS["next"], CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["ticket"],
-                         16, NO_SLOT, lay.column(PRIORITY_COLUMN).offset,
-                         lay.priority_blocks_offset, lay.priority_prev_offset, lay.priority_block,
-                         lay.blocks_per_chunk, lay.n_chunks * lay.blocks_per_chunk,
-                         self._max_off, COUNTERS["ticket"], lay.priority_trees)
+        # The geometry _prio.c works with: the ring's (protocol.geometry), priority fields included.
+        self.geometry = ring.geometry
         self.exponents = tuple(e for e, _ in lay.priority_trees)
 
     # -- writers (once per chunk) --------------------------------------------------

@@ -19,11 +19,11 @@ class RateWords:
     timeouts and messages are ``shmbuf.writing.ratelimit``'s.
     """
 
-    def __init__(self, mm):
+    def __init__(self, mm, geometry: bytes):
         self.mm = mm
-        off = self.off = {f: _RATE + o for f, o in RATE_FIELDS.items()}
-        self.gate = atomic.RateGate(mm, (_CLOCK, _REPLAYED, off["flags"], off["ratio"],
-                                         off["min_steps"], off["tolerance"], off["base"]))
+        self.off = {f: _RATE + o for f, o in RATE_FIELDS.items()}
+        # The gate's words are the geometry's clock, replayed and rate_* (protocol.geometry).
+        self.gate = atomic.RateGate(mm, geometry)
         self.take_insert = self.gate.insert   # n -> the clock before, or -1: the band refuses
         self.take_replay = self.gate.replay   # n -> 1 taken, 0 min_steps not met, 2 past the edge
 

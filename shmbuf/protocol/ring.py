@@ -3,9 +3,9 @@
 Every load and store of a header word of a step store is in this file:
 the magic, the counters, the writer slots, the chunk table (claims, links,
 seals, counts) and the episode index.  Writers, samplers, checkpoints, the
-CLI and the facades call the small API below; C code (``_window_check.c``) gets
-its geometry from ``Ring.geometry``.  docs/design.md states the invariants;
-the byte layout is in _layout.py.
+CLI and the facades call the small API below; the C extensions get
+their geometry from ``Ring.geometry`` (``protocol.geometry``).  docs/design.md
+states the invariants; the byte layout is in protocol/layout.py.
 
 Everything is lock-free.  A writer claims a slot (one per writer object)
 and then chunks, each with a compare-and-swap on one 64-bit word; a process
@@ -34,12 +34,13 @@ from .._errors import NoFreeChunkError, NoFreeWriterSlotError, SharedMemoryFullE
 from ..posix.procs import is_alive, my_start_time
 from ..posix.space import Space
 from . import _atomic as atomic
+from .geometry import geometry_of
+from .geometry import pack as pack_geometry
 from .header import ClosedMark, closed_word
 from .layout import (
     CHUNK_ENTRY,
     CHUNK_FIELDS,
     COUNTERS,
-    EP_COLUMN,
     EPISODE_ENTRY,
     NO_SLOT,
     SEALED,
@@ -146,7 +147,9 @@ class Ring:
         self.mm = mm
         self.layout = layout
         self.name = name
-        self.rate = RateWords(mm)      # the rate limiter's words (unused without a limit)
+        # The geometry every C extension reads (shmbuf_words.h), packed by name from the layout.
+        self.geometry = pack_geometry(geometry_of(layout))
+        self.rate = RateWords(mm, self.geometry)   # the limiter's words (unused without a limit)
         # None or full: every page is reserved already (prefault, keyed rings, the CLI)
         self.space = None if space is None or space.full else space
         self._episodes_reserved = 0  # index entries below it are known to be reserved
@@ -170,12 +173,6 @@ class Ring:
         self.episode_table = np.frombuffer(
             mm, dtype="<u8", count=layout.episode_slots * EPISODE_ENTRY // 8,
             offset=layout.episodes_offset).reshape(layout.episode_slots, -1)
-        # The geometry _window_check.c works with: sizes, then the chunk fields it
-        # reads (its FIELDS), all taken from _layout.
-        self.geometry = (layout.chunks_offset, n, k, layout.capacity,
-                         layout.column(EP_COLUMN).offset, CHUNK_ENTRY,
-                         CHUNK_FIELDS["state"], CHUNK_FIELDS["count"], CHUNK_FIELDS["next"],
-                         CHUNK_FIELDS["next_seq"], CHUNK_FIELDS["starts"], STARTS_BITS)
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
         self.priorities = Priorities(self) if layout.priorities else None

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import _atomic as atomic
 from .layout import CHUNK_FIELDS, STARTS_BITS, STARTS_UNTRACKED
-from .words import _CLOCK, _CLOSED, _STARTS_MAX, _U32
+from .words import _STARTS_MAX, _U32
 
 if TYPE_CHECKING:  # annotations only: the ring builds these objects
     from .ring import Ring
@@ -139,7 +139,7 @@ class Streams:
             self.end(i, True)
 
     def appender(self, names: tuple, views: tuple, ep_view: np.ndarray, done: int):
-        """The C fast path that appends one step to each of these streams (``_atomic.c``).
+        """The C fast path that appends one step to each of these streams (``appender.c``).
 
         It checks that every value already fits its column exactly, copies,
         numbers (``stamp``), counts and publishes in ``publish``'s order, and shares this object's
@@ -147,10 +147,12 @@ class Streams:
         not a plain numeric scalar): the caller keeps the Python path.
         """
         try:
-            return atomic.Appender(self.ring.mm, names, views, ep_view, self.ring.clock_rows,
-                                   done, self.fill, self.base, self.rows, self.count_off,
-                                   self.ep, self.left, self.slot.steps_off, _CLOCK, _CLOSED,
-                                   None if self._limit is None else self._limit.words.gate)
+            return atomic.Appender(
+                self.ring.mm, self.ring.geometry, names=names, views=views, ep_view=ep_view,
+                t_view=self.ring.clock_rows, done=done, fill=self.fill, base=self.base,
+                rows=self.rows, count_off=self.count_off, ep=self.ep, left=self.left,
+                steps_off=self.slot.steps_off,
+                gate=None if self._limit is None else self._limit.words.gate)
         except ValueError:
             return None
 
