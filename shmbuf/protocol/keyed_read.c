@@ -1,6 +1,6 @@
 /*
- * keyed_read.c: keyed_take(buffer, count_offsets, base, count, lengths, ages, ring_len,
- *            columns, stale) -> int
+ * keyed_read.c: keyed_take(buffer, count_offsets, base, count, lengths, ages,
+ *                          ring_len, columns, stale) -> int
  *
  * The copy half of a keyed-ring read (protocol.keyed.KeyWords.read), for E keys
  * whose counts and live lengths the caller loaded: entry age a of key e is
@@ -14,7 +14,6 @@
  * copied, i.e. oldest < after - (ring_len - 1).  Returns how many are stale.
  * Every row is bounds-checked before any copy: a corrupt base, count or age
  * raises ValueError, never reads outside src.
-
  *
  * Memory orders: the copies are plain loads; then one acquire fence orders
  * them before the relaxed loads of the counts that judge staleness.
