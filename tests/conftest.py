@@ -24,18 +24,7 @@ os.environ["SHMBUF_NAME_TAG"] = TAG
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-_PID = str(os.getpid())
-
-
-def _ours(name: str) -> bool:
-    # Only what this session made: generated names carry the tag, and tests
-    # that pick a name themselves start it with "shmbuf-test-" and add this
-    # session's pid as a "-"-separated part.  Everything else in /dev/shm
-    # (another test session's segments, a training run's buffers, PyTorch's
-    # shared tensors) belongs to someone else: it is reported, never removed.
-    if name.startswith("shmbuf-test-"):
-        return _PID in name.split("-")
-    return name.startswith("shmbuf-" + TAG)
+from helpers.shm import ours as _ours  # noqa: E402  (needs tests/ on sys.path, set above)
 
 
 def _listing() -> set[str]:

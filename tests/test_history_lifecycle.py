@@ -25,6 +25,7 @@ from helpers.history_workers import (
     until_closed,
 )
 from helpers.keyed_workers import history_info, history_worker
+from helpers.shm import own_entries
 from helpers.stop_workers import TIMEOUT, shm_exists
 
 import shmbuf
@@ -250,13 +251,13 @@ def test_owners_install_the_handler_until_the_last_closes():
 
 
 def test_handle_signals_is_checked_before_anything_is_created():
-    before = set(os.listdir("/dev/shm"))
+    before = own_entries()
     for make in (lambda: HistoryBuffer(2, 4, handle_signals="yes"),
                  lambda: ParamBlock.create({"w": np.zeros(1)}, handle_signals=1),
                  lambda: keyed.attach("shmbuf-test-none", own=True, handle_signals="no")):
         with pytest.raises(TypeError, match="handle_signals must be None, True or False"):
             make()
-    assert set(os.listdir("/dev/shm")) <= before
+    assert own_entries() <= before
 
 
 # -- save and load -------------------------------------------------------------------------------

@@ -5,12 +5,12 @@ which must fail before any system call.
 """
 import keyword
 import math
-import os
 import re
 import struct
 
 import numpy as np
 import pytest
+from helpers.shm import own_entries
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -733,11 +733,11 @@ def test_plan_rejects_bad_arguments(case, spec, capacity, kw, exc, text):
 @pytest.mark.parametrize("case, spec, capacity, kw, exc, text", BAD_ARGS + HUGE_SHAPES,
                          ids=_ids(BAD_ARGS + HUGE_SHAPES))
 def test_create_rejects_bad_arguments_and_leaves_nothing(case, spec, capacity, kw, exc, text):
-    before = set(os.listdir("/dev/shm"))
+    before = own_entries()
     with pytest.raises(exc) as info:
         shmbuf.create(spec, capacity, **kw).close()
     assert text in str(info.value)
-    assert set(os.listdir("/dev/shm")) == before
+    assert own_entries() == before
 
 
 @pytest.mark.parametrize("name, exc", [
@@ -745,10 +745,10 @@ def test_create_rejects_bad_arguments_and_leaves_nothing(case, spec, capacity, k
     ("", ValueError), (".hidden", ValueError), ("a b", ValueError), (5, TypeError),
 ])
 def test_create_rejects_bad_name_and_leaves_nothing(name, exc):
-    before = set(os.listdir("/dev/shm"))
+    before = own_entries()
     with pytest.raises(exc, match="name"):
         shmbuf.create(SPEC, 10, name=name).close()
-    assert set(os.listdir("/dev/shm")) == before
+    assert own_entries() == before
 
 
 def test_boundary_arguments_are_accepted():

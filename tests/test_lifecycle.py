@@ -24,6 +24,7 @@ import weakref
 import numpy as np
 import posix_ipc
 import pytest
+from helpers.shm import own_entries
 from helpers.workers import SPEC, step_for, verify_batch, write_steps
 
 import shmbuf
@@ -284,14 +285,14 @@ BAD_NAMES = ["a/b", "/leading", "trailing/", "a\0b", "\0", "x" * 201, "", ".hidd
 @pytest.mark.parametrize("name", BAD_NAMES)
 @pytest.mark.parametrize("call", ["create", "attach"])
 def test_bad_names_rejected_before_any_syscall(name, call):
-    before = set(os.listdir(SHM))
+    before = own_entries()
     with pytest.raises(ValueError, match="name") as info:
         if call == "create":
             shmbuf.create(SPEC, 16, name=name).close()
         else:
             shmbuf.attach(name).close()
     assert not isinstance(info.value, OSError)  # not an answer from the kernel
-    assert set(os.listdir(SHM)) == before
+    assert own_entries() == before
 
 
 @pytest.mark.parametrize("call", ["create", "attach"])
@@ -386,13 +387,13 @@ def test_too_small_dev_shm_raises_shared_memory_full():
     spec = {"obs": ((row,), np.uint8), "done": ((), np.bool_)}
     assert L.plan(spec, capacity).total_bytes > shm_size  # plan() accepts it
     name = fresh_name("full")
-    before = set(os.listdir(SHM))
+    before = own_entries()
     with pytest.raises(shmbuf.SharedMemoryFullError) as info:
         shmbuf.create(spec, capacity, name=name)
     assert isinstance(info.value, OSError)
     assert info.value.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM)
     assert "--shm-size" in str(info.value) and name in str(info.value)
-    assert set(os.listdir(SHM)) == before
+    assert own_entries() == before
 
 
 # -- pickling ------------------------------------------------------------------

@@ -5,10 +5,10 @@ of the rules (shmbuf.writing.ratelimit's docstring); the others use real process
 (``python -c`` scripts), real SIGKILLs and real adoption.
 """
 import math
-import os
 
 import numpy as np
 import pytest
+from helpers.shm import own_entries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,10 +50,10 @@ def test_bad_arguments_raise_naming_them(kw, exc, arg):
 
 
 def test_create_refuses_a_non_limit_and_creates_nothing():
-    before = set(os.listdir("/dev/shm"))
+    before = own_entries()
     with pytest.raises(TypeError, match="rate_limit"):
         shmbuf.create(SPEC, 100, rate_limit=32)
-    assert set(os.listdir("/dev/shm")) <= before
+    assert own_entries() <= before
 
 
 def test_a_sample_timeout_of_the_wrong_type_takes_no_budget(make_buffer):
