@@ -1,0 +1,134 @@
+"""How ``compat.embodied`` turns its selectors into windows of the shared store.
+
+An *item* is a window of ``length`` consecutive steps of one stream; the
+store's column ``item`` holds, on the step that completes an item, the
+item's buffer-wide serial (``Buffer.next_serial``), and ``-1`` on the first
+``length - 1`` steps of a stream.  The live items are the newest
+``capacity`` serials, so a drawn window is kept only if the serial on its
+last step is at least ``made - capacity``.
+
+Two ways to pick windows:
+
+- a shmbuf selector (``Uniform``, ``Prioritized``) draws among the valid
+  windows, and those of evicted items are drawn again;
+- by serial (``Recency``'s ages, ``Fifo``'s oldest, the online queue): the
+  step that completes the item is found by its serial, its window's start
+  by the ``stream`` and ``pos`` columns, and the store validates it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._errors import SampleRetryError
+from ..sampling import Windows, joined
+from . import _embodied_rows as rows
+
+_ROUNDS = 64
+
+
+class Items:
+    """The facade's view of its items: what to draw from, and how to find one."""
+
+    def __init__(self, buffer, length: int, capacity: int):
+        self.buffer, self.length, self.capacity = buffer, length, capacity
+        arrays = buffer.arrays
+        self.item, self.stream, self.pos = arrays["item"], arrays["stream"], arrays["pos"]
+        self.k = rows.chunk_size(buffer)
+
+    def core(self, selector, rng, n: int) -> Windows:
+        """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
+        return selector._draw(rows.finder(self.buffer), rng, n, self.length, 0)
+
+    def made(self) -> int:
+        return rows.items_made(self.buffer)
+
+    def live(self) -> tuple[int, int]:
+        """(oldest live serial, serials made): the live items are ``[lo, made)``."""
+        made = self.made()
+        return max(0, made - self.capacity), made
+
+    def keep_live(self, w: Windows) -> Windows:
+        lo, _ = self.live()
+        return w.take(self.item[w.rows[:, -1]] >= lo)
+
+    def by_serial(self, serials: np.ndarray) -> Windows:
+        """The windows of the items ``serials`` names that are still held (others dropped)."""
+        serials = np.asarray(serials, np.int64)
+        hits = np.flatnonzero(np.isin(self.item, serials))
+        where = dict(zip(self.item[hits].tolist(), hits.tolist()))
+        ends = np.array([where.get(s, -1) for s in serials.tolist()], np.int64)
+        ends = ends[ends >= 0]
+        if not len(ends):
+            return Windows(np.empty((0, self.length), np.int64), np.empty((0, 1), np.int64),
+                           np.empty((0, 1), np.int64))
+        starts = self._starts(ends)
+        starts = starts[starts >= 0]
+        w = rows.locate(self.buffer, starts, self.length)
+        # The row may have been recycled since it was found: keep the named items only.
+        return w.take(np.isin(self.item[w.rows[:, -1]], serials))
+
+    def _starts(self, ends: np.ndarray) -> np.ndarray:
+        """Start rows of the windows ending at ``ends`` (-1 where the start is gone)."""
+        k, n = self.k, rows.claimed_chunks(self.buffer)
+        firsts = np.arange(n) * k
+        f_stream, f_pos = self.stream[firsts], self.pos[firsts]
+        out = np.full(len(ends), -1, np.int64)
+        for i, end in enumerate(ends.tolist()):
+            s, p0 = int(self.stream[end]), int(self.pos[end]) - self.length + 1
+            at = np.flatnonzero((f_stream == s) & (f_pos <= p0) & (p0 < f_pos + k))
+            if len(at):
+                out[i] = int(at[-1]) * k + p0 - int(f_pos[at[-1]])
+        return out
+
+
+class Draw:
+    """The selector object the store calls (``_draw``): one facade selector over ``Items``.
+
+    ``pick(items, rng, n)`` of a facade selector returns located windows;
+    this loop keeps the live ones and asks again for the rest.
+    """
+
+    def __init__(self, items: Items, selector, queued=None):
+        self.items, self.selector, self.queued = items, selector, queued
+
+    def _draw(self, finder, rng, n, length, tail):
+        found, need = [], n
+        if self.queued:
+            take = [self.queued.popleft() for _ in range(min(need, len(self.queued)))]
+            w = self.items.keep_live(self.items.by_serial(np.array(take)))
+            found.append(w)
+            need -= len(w.rows)
+        for _ in range(_ROUNDS):
+            if not need:
+                return joined(found)
+            w = self.items.keep_live(self.selector.pick(self.items, rng, need))
+            found.append(w.take(np.arange(min(need, len(w.rows)))))
+            need -= len(found[-1].rows)
+        if not need:
+            return joined(found)
+        raise SampleRetryError(
+            f"could not draw {n} live items of length {length} in {_ROUNDS} rounds: writers "
+            "recycled the chosen steps each time; the buffer is too small for its ingest rate")
+
+
+def by_age(items: Items, rng, n: int, probs: np.ndarray) -> Windows:
+    """Items by age (0 = newest) with upstream's rule: ``probs`` over ages, stretched
+    over the live items while there are fewer of them than ``len(probs)``."""
+    lo, made = items.live()
+    live = made - lo
+    if live <= 0:
+        return items.by_serial(np.empty(0, np.int64))
+    ages = rng.choice(len(probs), size=n, p=probs)
+    if live < len(probs):
+        ages = (ages * live) // len(probs)
+    return items.by_serial(made - 1 - ages)
+
+
+def oldest(items: Items, rng, n: int) -> Windows:
+    """The oldest live item that is still held, ``n`` times."""
+    lo, made = items.live()
+    for serial in range(lo, made):
+        w = items.by_serial(np.array([serial]))
+        if len(w.rows):
+            return w.take(np.zeros(n, np.int64))
+    return items.by_serial(np.empty(0, np.int64))
