@@ -98,10 +98,12 @@ class Draw:
             w = self.items.keep_live(self.items.by_serial(np.array(take)))
             found.append(w)
             need -= len(w.rows)
-        for _ in range(_ROUNDS):
+        for round_ in range(_ROUNDS):
             if not need:
                 return joined(found)
-            w = self.items.keep_live(self.selector.pick(self.items, rng, need))
+            # Drawn windows of evicted items are dropped: ask for more as rounds fail.
+            ask = need << min(2 * round_, 12)
+            w = self.items.keep_live(self.selector.pick(self.items, rng, ask))
             found.append(w.take(np.arange(min(need, len(w.rows)))))
             need -= len(found[-1].rows)
         if not need:

@@ -166,8 +166,9 @@ class Replay(Facade):
         spec.update({c: ((), np.int64) for c in _HIDDEN})
         k = min(params["chunksize"], params["capacity"])
         slack = params["streams"] * (params["length"] - 1 + k) + 2 * k
+        steps = -(-(params["capacity"] + slack) // k) * k   # whole chunks: files align
         try:
-            buffer = store.create(spec, params["capacity"] + slack, name=self._shm_name,
+            buffer = store.create(spec, steps, name=self._shm_name,
                                   chunk_size=k, max_writers=params["streams"],
                                   done_key=None, seed=self.selector.seed,
                                   meta={"facade": self.FACADE, "params": params},
