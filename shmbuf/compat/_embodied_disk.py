@@ -17,6 +17,7 @@ import pathlib
 import numpy as np
 
 from . import _embodied_chunks as chunks
+from . import _embodied_draw as draw
 from . import _embodied_rows as rows
 
 Path = pathlib.Path
@@ -124,7 +125,7 @@ def _add_run(replay, run: dict) -> None:
     first = rows.take_serials(replay.buffer, made) if made else 0
     item = np.full(n, -1, np.int64)
     item[length - 1:] = np.arange(first, first + made)
-    stream = int.from_bytes(os.urandom(8), "little") >> 1
+    stream = draw.stream_id()
     with replay.buffer.writer() as w:
         w.extend(**values, item=item, stream=np.full(n, stream, np.int64),
                  pos=np.arange(n, dtype=np.int64))

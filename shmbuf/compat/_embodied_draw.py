@@ -17,6 +17,8 @@ Two ways to pick windows:
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 from .._errors import SampleRetryError
@@ -24,6 +26,11 @@ from ..sampling import Windows, joined
 from . import _embodied_rows as rows
 
 _ROUNDS = 64
+
+
+def stream_id() -> int:
+    """A new stream's id: 62 random bits, never 0 (what a row never written holds)."""
+    return int.from_bytes(os.urandom(8), "little") >> 2 | 1
 
 
 class Items:
@@ -55,6 +62,7 @@ class Items:
         """The windows of the items ``serials`` names that are still held (others dropped)."""
         serials = np.asarray(serials, np.int64)
         hits = np.flatnonzero(np.isin(self.item, serials))
+        hits = hits[self.stream[hits] != 0]   # a row never written reads 0s
         where = dict(zip(self.item[hits].tolist(), hits.tolist()))
         ends = np.array([where.get(s, -1) for s in serials.tolist()], np.int64)
         ends = ends[ends >= 0]

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .. import select as core
+from .._errors import NotEnoughDataError
 from . import _embodied_draw as draw
 
 
@@ -99,7 +100,7 @@ class Recency(Selector):
         bad = ~np.isfinite(probs) | (probs < 0)
         if bad.any():
             at = int(np.argmax(bad))
-            raise ValueError(f"Recency: uprobs[{at}] is {probs[at]!r}; expected finite "
+            raise ValueError(f"Recency: uprobs[{at}] is {float(probs[at])!r}; expected finite "
                              "numbers >= 0")
         if not probs.sum() > 0:
             raise ValueError("Recency: uprobs must not all be 0")
@@ -161,7 +162,10 @@ class Prioritized(Selector):
         self._unit = self.initial ** self.exponent
 
     def pick(self, items, rng, n):
-        return items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac), rng, n)
+        try:
+            return items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac), rng, n)
+        except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
+            return items.core(core.Uniform(), rng, n)
 
     def stored(self, priority: np.ndarray) -> np.ndarray:
         """What the store keeps for ``priority``: ``priority ** exponent / initial ** exponent``."""

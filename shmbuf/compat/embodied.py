@@ -59,7 +59,7 @@ class _Stream:
 
     def __init__(self, writer):
         self.writer = writer
-        self.id = int.from_bytes(os.urandom(8), "little") >> 1
+        self.id = draw.stream_id()
         self.pos = 0
 
 

@@ -1,0 +1,204 @@
+"""DreamerV3's replay speed test: upstream's ``Replay`` against ``shmbuf.compat.embodied``.
+
+    python benchmarks/bench_embodied.py [--upstream PATH] [--full] [--json PATH]
+
+Workload (DreamerV3's ``embodied/perf/test_replay.py``, ``test_speed``):
+steps of ``image`` uint8 (64, 64, 3), ``vector`` f32 (1024,), ``action``
+f32 (12,) and the three flags, added round-robin by 8 workers into a
+replay of length 32, chunksize 1024; then single-item samples
+(``sample(1)``).  ``--full`` uses upstream's sizes (200k inserts,
+capacity 100k, 100k samples); the default is a fifth of them.
+
+Both sides run in this process, one after the other, with the same steps;
+each figure is the median of the repetitions, and the ratio (shmbuf /
+upstream) is taken per repetition.  Upstream is imported from a DreamerV3
+checkout (``--upstream``, default ``$DREAMERV3`` or ``../dreamerv3``) and
+needs its ``elements`` package; if that fails the table says so and only
+shmbuf is measured.
+
+Also measured, shmbuf only: ``update`` of priorities and one context key
+for a 16 x 64 batch, and 4 actor processes adding 64x64x3 frames against
+one.  Targets are printed, never asserted.  Every buffer is closed in
+``finally``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shmbuf.compat.embodied import Replay
+
+STEP = {
+    "image": np.zeros((64, 64, 3), np.uint8),
+    "vector": np.zeros(1024, np.float32),
+    "action": np.zeros(12, np.float32),
+    "is_first": np.array(False),
+    "is_last": np.array(False),
+    "is_terminal": np.array(False),
+}
+WORKERS, LENGTH, CHUNK = 8, 32, 1024
+DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "bench_embodied.json"
+
+
+def upstream_replay(path: str | None):
+    """(upstream's Replay class, None) or (None, why it could not be imported)."""
+    root = Path(path or os.environ.get("DREAMERV3") or Path(__file__).parents[2] / "dreamerv3")
+    core = root / "embodied" / "core"
+    if not (core / "replay.py").exists():
+        return None, f"no DreamerV3 checkout at {root} (give --upstream PATH)"
+    try:
+        # The core package alone: embodied/__init__ pulls in the whole agent stack.
+        spec = importlib.util.spec_from_file_location(
+            "_upstream_core", core / "__init__.py", submodule_search_locations=[str(core)])
+        package = importlib.util.module_from_spec(spec)
+        sys.modules["_upstream_core"] = package
+        for name in ("chunk", "limiters", "selectors", "replay"):
+            sub = importlib.util.spec_from_file_location(f"_upstream_core.{name}",
+                                                         core / f"{name}.py")
+            module = importlib.util.module_from_spec(sub)
+            sys.modules[f"_upstream_core.{name}"] = module
+            sub.loader.exec_module(module)
+        return sys.modules["_upstream_core.replay"].Replay, None
+    except Exception as exc:   # a missing 'elements' package, most often
+        return None, f"upstream Replay not importable from {root}: {exc!r}"
+
+
+def speed(make, inserts: int, samples: int) -> dict:
+    replay = make()
+    try:
+        start = time.perf_counter()
+        for _ in range(inserts // WORKERS):
+            for worker in range(WORKERS):
+                replay.add(STEP, worker)
+        added = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(samples):
+            replay.sample(1)
+        sampled = time.perf_counter() - start
+    finally:
+        close = getattr(replay, "close", None)
+        if close is not None:
+            close()
+    return {"inserts_per_s": inserts / added, "samples_per_s": samples / sampled}
+
+
+def update_ms(calls: int = 200) -> float:
+    replay = Replay(64, 20_000, chunksize=256, spec={
+        "image": ((64, 64, 3), np.uint8), "deter": ((512,), np.float32),
+        "is_first": ((), bool)})
+    try:
+        step = {"image": STEP["image"], "deter": np.zeros(512, np.float32), "is_first": False}
+        for _ in range(4000):
+            replay.add(step)
+        data = replay.sample(16)
+        update = {"stepid": data["stepid"], "priority": np.ones((16, 64), np.float32),
+                  "deter": np.ones((16, 64, 512), np.float32)}
+        times = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            replay.update(update)
+            times.append(time.perf_counter() - start)
+        return 1e3 * statistics.median(times)
+    finally:
+        replay.close()
+
+
+def _actor(replay, worker: int, steps: int, ready, go) -> None:
+    frame = {"image": np.zeros((64, 64, 3), np.uint8), "is_first": np.array(False)}
+    replay.add(frame, worker)
+    ready.put(worker)
+    go.wait(60)
+    for _ in range(steps - 1):
+        replay.add(frame, worker)
+
+
+def actors_rate(n: int, steps: int) -> float:
+    """Steps per second added by ``n`` spawned actor processes together."""
+    ctx = mp.get_context("spawn")
+    replay = Replay(16, n * steps, chunksize=256,
+                    spec={"image": ((64, 64, 3), np.uint8), "is_first": ((), bool)})
+    procs = []
+    try:
+        ready, go = ctx.Queue(), ctx.Event()
+        procs = [ctx.Process(target=_actor, args=(replay, w, steps, ready, go))
+                 for w in range(n)]
+        for p in procs:
+            p.start()
+        for _ in procs:
+            ready.get(timeout=120)
+        start = time.perf_counter()
+        go.set()
+        for p in procs:
+            p.join(timeout=600)
+        return n * (steps - 1) / (time.perf_counter() - start)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        replay.close()
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--upstream", help="a DreamerV3 checkout (default $DREAMERV3)")
+    ap.add_argument("--full", action="store_true", help="upstream's sizes (needs ~4 GB)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    args = ap.parse_args(argv)
+    scale = 1 if args.full else 5
+    inserts, capacity, samples = 200_000 // scale, 100_000 // scale, 100_000 // scale
+    Upstream, why = upstream_replay(args.upstream)
+    rows = {"shmbuf": [], "upstream": []}
+    for _ in range(args.reps):
+        rows["shmbuf"].append(speed(lambda: Replay(LENGTH, capacity, chunksize=CHUNK),
+                                    inserts, samples))
+        if Upstream is not None:
+            rows["upstream"].append(speed(lambda: Upstream(LENGTH, capacity, chunksize=CHUNK),
+                                          inserts, samples))
+    result = {"inserts": inserts, "capacity": capacity, "samples": samples,
+              "upstream_error": why}
+    print(f"DreamerV3 speed test: {WORKERS} workers, length {LENGTH}, chunksize {CHUNK}, "
+          f"{inserts} inserts, capacity {capacity}, {samples} samples; median of {args.reps}")
+    print(f"{'':14}{'shmbuf':>14}{'upstream':>14}{'ratio':>9}  target")
+    for key in ("inserts_per_s", "samples_per_s"):
+        mine = [r[key] for r in rows["shmbuf"]]
+        theirs = [r[key] for r in rows["upstream"]]
+        ratios = [a / b for a, b in zip(mine, theirs)]
+        result[key] = {"shmbuf": median(mine), "upstream": median(theirs),
+                       "ratio": median(ratios)}
+        print(f"{key:14}{median(mine):14.0f}{median(theirs):14.0f}{median(ratios):9.2f}  >= 2")
+    if why:
+        print(f"upstream not measured: {why}")
+    result["update_ms"] = update_ms()
+    print(f"update (priority + one context key, 16 x 64): {result['update_ms']:.3f} ms  "
+          "(target <= 1 ms)")
+    steps = 20_000 // scale * 2
+    one, four = actors_rate(1, steps), actors_rate(4, steps)
+    result["actors"] = {"one_per_s": one, "four_per_s": four, "ratio": four / one}
+    print(f"64x64x3 frames added: 1 actor {one:.0f}/s, 4 actors {four:.0f}/s, ratio "
+          f"{four / one:.2f}  (target >= 3 with spare cores; {os.cpu_count()} CPUs here)")
+    result["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
+                         "load_1min": os.getloadavg()[0]}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
