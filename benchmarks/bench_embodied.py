@@ -69,7 +69,7 @@ def upstream_replay(path: str | None):
             sys.modules[f"_upstream_core.{name}"] = module
             sub.loader.exec_module(module)
         return sys.modules["_upstream_core.replay"].Replay, None
-    except Exception as exc:   # a missing 'elements' package, most often
+    except Exception as exc:   # noqa: BLE001 - said in the table (no 'elements', most often)
         return None, f"upstream Replay not importable from {root}: {exc!r}"
 
 

@@ -10,12 +10,12 @@ import pickle
 
 import numpy as np
 import pytest
-
-from shmbuf.compat import embodied
-from shmbuf.compat import _embodied_chunks as chunks
-from shmbuf.compat.embodied import Fifo, Mixture, Prioritized, Recency, Replay, Uniform
 from helpers import embodied_workers as workers
 from helpers.stats import chi2_pvalue
+
+from shmbuf.compat import _embodied_chunks as chunks
+from shmbuf.compat import embodied
+from shmbuf.compat.embodied import Fifo, Mixture, Prioritized, Recency, Replay, Uniform
 
 TIMEOUT = 60
 

@@ -33,7 +33,7 @@ NIL = "0" * 22
 class Name:
     """One parsed chunk file name."""
 
-    __slots__ = ("time", "uuid", "succ", "length", "file")
+    __slots__ = ("file", "length", "succ", "time", "uuid")
 
     def __init__(self, time: str, uuid: str, succ: str, length: int, file: str):
         self.time, self.uuid, self.succ, self.length, self.file = time, uuid, succ, length, file
@@ -132,7 +132,8 @@ def chains(names: list[Name]) -> list[list[Name]]:
     heads = sorted((n for n in names if n.uuid not in successors), key=lambda n: n.file)
     out, seen = [], set()
     for head in heads:
-        chain, node = [], head
+        chain: list[Name] = []
+        node: Name | None = head
         while node is not None and node.uuid not in seen:
             seen.add(node.uuid)
             chain.append(node)

@@ -102,7 +102,8 @@ def load(replay, directory: Path, amount) -> None:
 
 def _runs(directory: Path, chain: list) -> list:
     """The chain's steps as runs of readable files (an unreadable file splits the chain)."""
-    runs, current = [], []
+    runs: list[list[dict]] = []
+    current: list[dict] = []
     for n in chain:
         data = chunks.read(directory / n.file)
         if data is None:

@@ -30,7 +30,7 @@ from . import _embodied_rows as rows
 from ._base import Facade, register
 from ._embodied_select import Fifo, Mixture, Prioritized, Recency, Selector, Uniform
 
-__all__ = ["Replay", "Uniform", "Recency", "Prioritized", "Mixture", "Fifo"]
+__all__ = ["Fifo", "Mixture", "Prioritized", "Recency", "Replay", "Uniform"]
 
 _HIDDEN = ("item", "stream", "pos")   # the facade's own int64 columns (see _embodied_draw)
 _DEFAULT_CAPACITY = 1_000_000
@@ -55,7 +55,7 @@ class _Name:
 class _Stream:
     """One worker's stream in this process: its writer, id and next position."""
 
-    __slots__ = ("writer", "id", "pos")
+    __slots__ = ("id", "pos", "writer")
 
     def __init__(self, writer):
         self.writer = writer
@@ -304,7 +304,7 @@ class Replay(Facade):
             raise ValueError(f"sample: batch must be an int >= 1, got {batch!r}")
         self._wait_items()
         queued = self._queue if self.online and mode == "train" else None
-        out = rows.draw(self.buffer, draw.Draw(self._items, self.selector, queued),
+        out = rows.draw(self.buffer, draw.Draw(self._items, self.selector, queued),  # type: ignore[arg-type]  # bound once the buffer exists
                         int(batch), self.length)
         ids = out.pop("ids")
         data = {k: out[self._columns[k]] for k, _, _ in self._keys}
@@ -443,11 +443,11 @@ class Replay(Facade):
         """
         self._check_open()
         if self.directory is None or self._ensure() is None:
-            return None
+            return
         disk.save(self, self.directory)
-        return None
+        return
 
-    def load(self, data=None, directory=None, amount=None) -> None:
+    def load(self, data=None, directory=None, amount=None) -> None:  # type: ignore[override]  # upstream's instance method, not Facade.load
         """Add the newest chunks of an upstream-format directory, up to ``amount`` items.
 
         Chunk files this handle saved or loaded are skipped; a chunk file

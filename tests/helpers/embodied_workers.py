@@ -9,7 +9,7 @@ def add_steps(replay, worker: int, steps: int, queue) -> None:
             replay.add({"step": np.int64(t), "worker": np.int64(worker),
                         "is_first": t == 0}, worker=worker)
         queue.put(("ok", worker))
-    except BaseException as exc:   # reported to the parent, which asserts on it
+    except BaseException as exc:   # noqa: BLE001 - reported to the parent, which asserts
         queue.put(("error", repr(exc)))
 
 
@@ -19,7 +19,7 @@ def add_other_shape(replay, queue) -> None:
         replay.add({"step": np.zeros(3, np.int64), "worker": np.int64(0),
                     "is_first": False})
         queue.put(("ok", None))
-    except BaseException as exc:
+    except BaseException as exc:   # noqa: BLE001 - reported to the parent
         queue.put(("error", f"{type(exc).__name__}: {exc}"))
 
 
@@ -32,5 +32,5 @@ def sample_steps(replay, batches: int, queue) -> None:
             for w, s in zip(data["worker"][:, 0].tolist(), data["step"].tolist()):
                 seen.append((w, s))
         queue.put(("ok", seen))
-    except BaseException as exc:
+    except BaseException as exc:   # noqa: BLE001 - reported to the parent
         queue.put(("error", repr(exc)))
