@@ -56,7 +56,8 @@ class Items:
 
     def keep_live(self, w: Windows) -> Windows:
         lo, _ = self.live()
-        return w.take(self.item[w.rows[:, -1]] >= lo)
+        keep = self.item[w.rows[:, -1]] >= lo
+        return w if keep.all() else w.take(keep)
 
     def by_serial(self, serials: np.ndarray) -> Windows:
         """The windows of the items ``serials`` names that are still held (others dropped)."""
@@ -112,6 +113,8 @@ class Draw:
             # Drawn windows of evicted items are dropped: ask for more as rounds fail.
             ask = need << min(2 * round_, 12)
             w = self.items.keep_live(self.selector.pick(self.items, rng, ask))
+            if not found and len(w.rows) == n:   # one round, every window live: the common case
+                return w
             found.append(w.take(np.arange(min(need, len(w.rows)))))
             need -= len(found[-1].rows)
         if not need:

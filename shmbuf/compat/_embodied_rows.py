@@ -34,11 +34,12 @@ def take_serials(buffer, n: int) -> int:
     return buffer._ring.bump("serial", n)
 
 
-def draw(buffer, selector, batch: int, length: int) -> dict:
+def draw(buffer, selector, batch: int, length: int, spec: dict) -> dict:
     """``batch`` windows that ``selector._draw(finder, rng, n, length, 0)`` picks,
-    gathered batch-major with their ``"ids"``; stale windows are redrawn."""
+    gathered batch-major (the columns of ``spec``, and ``"ids"``); stale windows
+    are redrawn."""
     buffer._check_live()
-    targets = prepare_out(None, buffer.spec, (batch, length), ids=True)
+    targets = prepare_out(None, spec, (batch, length), ids=True)
     return buffer._draw(buffer._random.get(), batch, length, 0, selector, targets, False)
 
 

@@ -149,6 +149,7 @@ class Replay(Facade):
         keys = buffer.meta["params"]["keys"]
         self._keys = [(k, tuple(shape), np.dtype(dtype)) for k, shape, dtype in keys]
         self._columns = {k: f"k{i}" for i, (k, _, _) in enumerate(self._keys)}
+        self._spec = {self._columns[k]: (shape, dtype) for k, shape, dtype in self._keys}
         self._items = draw.Items(buffer, self.length, self.capacity)
         self._made_seen = self._items.made()
         self._tag = _tag(buffer.name)
@@ -305,7 +306,7 @@ class Replay(Facade):
         self._wait_items()
         queued = self._queue if self.online and mode == "train" else None
         out = rows.draw(self.buffer, draw.Draw(self._items, self.selector, queued),  # type: ignore[arg-type]  # bound once the buffer exists
-                        int(batch), self.length)
+                        int(batch), self.length, self._spec)
         ids = out.pop("ids")
         data = {k: out[self._columns[k]] for k, _, _ in self._keys}
         data["stepid"] = _stepids(ids, self._tag)
