@@ -46,6 +46,11 @@ class Items:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
         return selector._draw(rows.finder(self.buffer), rng, n, self.length, 0)
 
+    def zero(self, w: Windows) -> None:
+        """Set the priorities of the steps of windows ``w`` to 0 (those still held)."""
+        ids = rows.ids_of_rows(self.buffer, w.rows)
+        self.buffer.update_priorities(ids, np.zeros(ids.shape, np.float32))
+
     def made(self) -> int:
         return rows.items_made(self.buffer)
 

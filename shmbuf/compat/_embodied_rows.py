@@ -52,6 +52,11 @@ def finder(buffer):
     return buffer._finder
 
 
+def ids_of_rows(buffer, found_rows: np.ndarray) -> np.ndarray:
+    """The step ids of the steps at ``found_rows`` (a window's rows, just located)."""
+    return buffer._ring.prio().ids(found_rows)
+
+
 def chunk_size(buffer) -> int:
     return buffer._layout.chunk_size
 

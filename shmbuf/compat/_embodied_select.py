@@ -163,9 +163,12 @@ class Prioritized(Selector):
 
     def pick(self, items, rng, n):
         try:
-            return items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac), rng, n)
+            w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac), rng, n)
         except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
-            return items.core(core.Uniform(), rng, n)
+            w = items.core(core.Uniform(), rng, n)
+        if self.zero_on_sample:   # as upstream, when the item is selected (in a Mixture too)
+            items.zero(w)
+        return w
 
     def stored(self, priority: np.ndarray) -> np.ndarray:
         """What the store keeps for ``priority``: ``priority ** exponent / initial ** exponent``."""

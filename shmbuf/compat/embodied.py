@@ -20,7 +20,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import _segment, store
+from .. import _segment, _signals, store
 from .._cast import coerce
 from .._errors import SegmentExistsError, SegmentNotFoundError
 from ..store import checked_priorities
@@ -90,6 +90,9 @@ class Replay(Facade):
         streams: worker streams that may add at the same time, in all
             processes together (default 16); the store keeps room for each.
         shm_name: the shared segment's name; generated if None.
+        handle_signals: as ``shmbuf.create``: None (default) installs shmbuf's
+            SIGTERM handler in the main thread if SIGTERM has its default
+            action, so that SIGTERM removes the segment; False installs nothing.
 
     Raises:
         ValueError / TypeError: a bad argument, naming it (``length >
@@ -106,7 +109,8 @@ class Replay(Facade):
 
     def __init__(self, length, capacity=None, directory=None, chunksize=1024, online=False,
                  selector=None, save_wait=False, name="unnamed", seed=0, *, spec=None,
-                 streams: int = 16, shm_name: str | None = None):
+                 streams: int = 16, shm_name: str | None = None,
+                 handle_signals: bool | None = None):
         params = _params(length, capacity, directory, chunksize, online, save_wait, name,
                          seed, streams)
         self.selector = _selector(selector, params["seed"])
@@ -114,9 +118,16 @@ class Replay(Facade):
         shm_name = _segment.generate_name() if shm_name is None else \
             _segment.validate_name(shm_name)
         self._init_local(params, shm_name)
+        _signals.check(handle_signals)
         self._track(shm_name, owner=True, resource=_Name(shm_name))
+        # SIGTERM unwinds and removes the segment, as for every owner (shmbuf._signals).
+        _signals.watch_or_close(self, handle_signals)
         if schema is not None:
-            self._make(schema)
+            try:
+                self._make(schema)
+            except BaseException:
+                self.close()
+                raise
 
     # -- state of this handle -------------------------------------------------------
     def _init_local(self, params: dict, shm_name: str) -> None:
@@ -312,9 +323,6 @@ class Replay(Facade):
         data["stepid"] = _stepids(ids, self._tag)
         if mode == "train":
             self._counts["samples"] += int(batch)
-        for p in self.selector._prioritized():
-            if p.zero_on_sample:
-                self.buffer.update_priorities(ids, np.zeros(ids.shape, np.float32))
         return _annotated(data)
 
     def _wait_items(self) -> None:
@@ -481,6 +489,7 @@ class Replay(Facade):
             if self._streams_pid == os.getpid():
                 s.writer.close()
         self._streams = {}
+        _signals.forget(self)
         super()._release()
 
     def __repr__(self):
