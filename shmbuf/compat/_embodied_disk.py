@@ -11,6 +11,7 @@ becomes one new stream of the store.
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import pathlib
 
@@ -38,33 +39,48 @@ def save(replay, directory: Path) -> None:
     k = rows.chunk_size(buffer)
     ids = np.arange(rows.claimed_chunks(buffer))
     state, count = rows.chunk_seqs(buffer, ids)
-    ids, state, count = ids[count > 0], state[count > 0], count[count > 0]
+    held = count > 0
+    ids, state, count = ids[held], state[held], count[held]
     firsts = ids * k
     streams, first_pos = items.stream[firsts].copy(), items.pos[firsts].copy()
     starts = _live_starts(items, firsts, count)
-    newest: dict = {}
-    for s, p, c in zip(streams.tolist(), first_pos.tolist(), count.tolist()):
-        newest[s] = max(newest.get(s, -1), p + c - 1)
     now = datetime.datetime.now()
-    for i in np.argsort(first_pos, kind="stable").tolist():
-        s, p, c = int(streams[i]), int(first_pos[i]), int(count[i])
-        if s not in starts or p + c - 1 < starts[s]:
-            continue   # holds no step of a live item
-        done = replay._disk.saved.get((s, p), p)
-        if done >= p + c:
-            continue
-        got = _copy(replay, firsts[i] + done - p, firsts[i] + c, s)
-        if got is None or not rows.unchanged(buffer, ids[i:i + 1], state[i:i + 1])[0]:
-            continue   # recycled while it was read: evicted
-        uuid = chunks.uuid_for(replay.shm_name, s, done)
-        got["stepid"] = chunks.stepids(uuid, c - (done - p))
-        # Ages along a stream must sort like the stream: older steps, earlier names.
-        when = now - datetime.timedelta(microseconds=newest[s] - done)
-        name = chunks.file_name(chunks.stamp(when), uuid,
-                                chunks.uuid_for(replay.shm_name, s, p + c), c - (done - p))
-        chunks.write(directory, name, got)
-        replay._disk.saved[(s, p)] = p + c
-        replay._disk.files.add(name)
+    for s in starts:
+        mine = np.flatnonzero(streams == s)
+        mine = mine[np.argsort(first_pos[mine], kind="stable")]
+        segments = [(int(first_pos[i]), int(count[i]), int(i), int(firsts[i])) for i in mine]
+        newest = segments[-1][0] + segments[-1][1] - 1
+        for lo_pos, hi_pos in _files(segments, starts[s], replay.chunksize, replay._disk, s):
+            got = _copy(replay, segments, lo_pos, hi_pos, s)
+            used = [i for p, c, i, _ in segments if p < hi_pos and p + c > lo_pos]
+            if got is None or not rows.unchanged(buffer, ids[used], state[used]).all():
+                break   # recycled while it was read: evicted, and so is what follows
+            n = hi_pos - lo_pos
+            uuid = chunks.uuid_for(replay.shm_name, s, lo_pos)
+            got["stepid"] = chunks.stepids(uuid, n)
+            # Ages along a stream must sort like the stream: older steps, earlier names.
+            when = now - datetime.timedelta(microseconds=newest - lo_pos)
+            name = chunks.file_name(chunks.stamp(when), uuid,
+                                    chunks.uuid_for(replay.shm_name, s, hi_pos), n)
+            chunks.write(directory, name, got)
+            replay._disk.saved[(s, lo_pos // replay.chunksize)] = hi_pos
+            replay._disk.files.add(name)
+
+
+def _files(segments: list, live_start: int, size: int, state: State, stream: int):
+    """``(first pos, end pos)`` of each file to write for one stream's held ``segments``
+    (``(first pos, count, index, first row)``, in order): upstream's chunks of ``size`` steps from
+    the stream's start, less what an earlier save wrote and what is no longer held."""
+    held_from, held_to = segments[0][0], segments[-1][0] + segments[-1][1]
+    for (p, c, _, _), (q, _, _, _) in itertools.pairwise(segments):
+        if p + c != q:   # a gap: only what follows it is one run
+            held_from = q
+    first = max(held_from, live_start - live_start % size)
+    for j in range(first // size, -(-held_to // size)):
+        lo_pos = max(j * size, held_from, state.saved.get((stream, j), j * size))
+        hi_pos = min((j + 1) * size, held_to)
+        if lo_pos < hi_pos:
+            yield lo_pos, hi_pos
 
 
 def _live_starts(items, firsts: np.ndarray, count: np.ndarray) -> dict:
@@ -81,11 +97,19 @@ def _live_starts(items, firsts: np.ndarray, count: np.ndarray) -> dict:
     return out
 
 
-def _copy(replay, lo: int, hi: int, stream: int) -> dict | None:
+def _copy(replay, segments: list, lo_pos: int, hi_pos: int, stream: int) -> dict | None:
+    """The steps at positions ``[lo_pos, hi_pos)`` of ``stream``, copied out of its
+    ``segments``; None if a row no longer holds the stream."""
     arrays = replay.buffer.arrays
-    if not (arrays["stream"][lo:hi] == stream).all():
+    parts = []
+    for p, c, _, row in segments:
+        a, b = max(p, lo_pos), min(p + c, hi_pos)
+        if a < b:
+            parts.append(np.arange(a - p, b - p) + row)
+    picked = np.concatenate(parts)
+    if not (arrays["stream"][picked] == stream).all():
         return None
-    return {k: arrays[replay._columns[k]][lo:hi].copy() for k, _, _ in replay._keys}
+    return {key: arrays[replay._columns[key]][picked] for key, _, _ in replay._keys}
 
 
 def load(replay, directory: Path, amount) -> None:
@@ -130,6 +154,6 @@ def _add_run(replay, run: dict) -> None:
     with replay.buffer.writer() as w:
         w.extend(**values, item=item, stream=np.full(n, stream, np.int64),
                  pos=np.arange(n, dtype=np.int64))
-    k = rows.chunk_size(replay.buffer)
-    for p in range(0, n, k):   # loaded steps are on disk already: never saved again
-        replay._disk.saved[(stream, p)] = min(p + k, n)
+    size = replay.chunksize
+    for p in range(0, n, size):   # loaded steps are on disk already: never saved again
+        replay._disk.saved[(stream, p // size)] = min(p + size, n)

@@ -34,6 +34,7 @@ __all__ = ["Fifo", "Mixture", "Prioritized", "Recency", "Replay", "Uniform"]
 
 _HIDDEN = ("item", "stream", "pos")   # the facade's own int64 columns (see _embodied_draw)
 _DEFAULT_CAPACITY = 1_000_000
+_STORE_CHUNK = 128
 
 
 class _Name:
@@ -176,9 +177,11 @@ class Replay(Facade):
         params = dict(self._params, keys=[[k, list(s), d.str] for k, s, d in schema])
         spec = {f"k{i}": (shape, dtype) for i, (_, shape, dtype) in enumerate(schema)}
         spec.update({c: ((), np.int64) for c in _HIDDEN})
-        k = min(params["chunksize"], params["capacity"])
+        # Small chunks keep the room held for each stream's open chunk small (files
+        # keep upstream's chunksize: _embodied_disk cuts them by stream position).
+        k = min(params["chunksize"], _STORE_CHUNK)
         slack = params["streams"] * (params["length"] - 1 + k) + 2 * k
-        steps = -(-(params["capacity"] + slack) // k) * k   # whole chunks: files align
+        steps = -(-(params["capacity"] + slack) // k) * k   # whole chunks, all of k rows
         try:
             buffer = store.create(spec, steps, name=self._shm_name,
                                   chunk_size=k, max_writers=params["streams"],
