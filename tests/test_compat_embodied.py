@@ -7,11 +7,14 @@ Items are checked against a reference model of upstream's definition: every
 import multiprocessing as mp
 import os
 import pickle
+import signal
+import subprocess
 
 import numpy as np
 import pytest
 from helpers import embodied_workers as workers
 from helpers.stats import chi2_pvalue
+from helpers.stop_workers import Script, shm_exists
 
 from shmbuf.compat import _embodied_chunks as chunks
 from shmbuf.compat import embodied
@@ -428,3 +431,31 @@ def test_pickles_to_its_name(make):
     finally:
         other.close()
     assert embodied.Replay is Replay
+
+
+@pytest.mark.slow
+def test_sigterm_removes_a_segment_an_actor_created():
+    """The constructing process answers for the segment, even when an actor made it."""
+    owner = Script("""
+        import json, multiprocessing as mp, sys
+        from shmbuf.compat.embodied import Replay
+        from helpers.embodied_workers import add_steps
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            r, q = Replay(3, 100), ctx.Queue()
+            p = ctx.Process(target=add_steps, args=(r, 0, 10, q))
+            p.start()
+            status = q.get(timeout=60)[0]
+            p.join(60)
+            print(json.dumps({"name": r.shm_name, "status": status, "len": len(r)}), flush=True)
+            sys.stdin.readline()
+    """, stdin=subprocess.PIPE)
+    try:
+        info = owner.json()
+        assert (info["status"], info["len"]) == ("ok", 8)
+        assert shm_exists(info["name"])
+        owner.signal(signal.SIGTERM)
+        assert owner.wait() == -signal.SIGTERM
+        assert not shm_exists(info["name"])
+    finally:
+        owner.close()
