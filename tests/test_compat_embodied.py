@@ -459,3 +459,17 @@ def test_sigterm_removes_a_segment_an_actor_created():
         assert not shm_exists(info["name"])
     finally:
         owner.close()
+
+
+def test_attach_by_name(make):
+    r = make(2, 10, spec={"step": ((), np.int64)})
+    for t in range(5):
+        r.add({"step": t})
+    other = Replay.attach(r.shm_name)
+    try:
+        assert len(other) == 4 and other.length == 2 and other.capacity == 10
+        assert (np.diff(other.sample(8)["step"], axis=1) == 1).all()
+        other.add({"step": 100}, worker=9)   # its own stream
+        assert len(r) == 4
+    finally:
+        other.close()

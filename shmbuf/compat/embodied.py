@@ -118,9 +118,9 @@ class Replay(Facade):
         schema = None if spec is None else _schema_of_spec(spec)
         shm_name = _segment.generate_name() if shm_name is None else \
             _segment.validate_name(shm_name)
-        self._init_local(params, shm_name)
         _signals.check(handle_signals)
         self._track(shm_name, owner=True, resource=_Name(shm_name))
+        self._setup(params)
         # SIGTERM unwinds and removes the segment, as for every owner (shmbuf._signals).
         _signals.watch_or_close(self, handle_signals)
         if schema is not None:
@@ -131,12 +131,10 @@ class Replay(Facade):
                 raise
 
     # -- state of this handle -------------------------------------------------------
-    def _init_local(self, params: dict, shm_name: str) -> None:
-        self._params = params
-        self._shm_name = shm_name
-        self._setup(params)
-
     def _setup(self, params: dict) -> None:
+        """This handle's state from the replay's parameters (made, unpickled or attached)."""
+        self._params = params
+        self._shm_name = self._name
         self.length = params["length"]
         self.capacity = params["capacity"]
         self.chunksize = params["chunksize"]
@@ -504,7 +502,7 @@ def _unpickle(shm_name: str, params: dict, selector) -> Replay:
     self = Replay.__new__(Replay)
     self.selector = selector
     self._track(shm_name, owner=False)
-    self._init_local(params, shm_name)
+    self._setup(params)
     self._ensure()
     return self
 
