@@ -473,3 +473,31 @@ def test_attach_by_name(make):
         assert len(r) == 4
     finally:
         other.close()
+
+
+@pytest.mark.slow
+def test_sigkilled_actors_leave_consistent_items_and_their_slots(make):
+    r = make(4, 2000, streams=2, spec={"step": ((), np.int64), "worker": ((), np.int64),
+                                       "is_first": ((), bool)})
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=workers.add_forever, args=(r, w, queue)) for w in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        assert sorted(queue.get(timeout=TIMEOUT)[1] for _ in procs) == [0, 1]
+        for p in procs:
+            p.kill()
+            p.join(TIMEOUT)
+        for _ in range(20):
+            data = r.sample(16)
+            assert (data["step"] - data["step"][:, :1] == np.arange(4)).all()
+            assert (data["worker"] == data["worker"][:, :1]).all()
+        # The dead actors' writer slots are free again: two new actors add.
+        got = _run(ctx, workers.add_steps, lambda i, q: (r, 10 + i, 6, q), n=2)
+        assert sorted(got) == [("ok", 10), ("ok", 11)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(TIMEOUT)

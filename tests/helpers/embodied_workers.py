@@ -34,3 +34,14 @@ def sample_steps(replay, batches: int, queue) -> None:
         queue.put(("ok", seen))
     except BaseException as exc:   # noqa: BLE001 - reported to the parent
         queue.put(("error", repr(exc)))
+
+
+def add_forever(replay, worker: int, queue) -> None:
+    """Add steps until killed; say so after the first ``replay.length`` of them."""
+    t = 0
+    while True:
+        replay.add({"step": np.int64(t), "worker": np.int64(worker), "is_first": t == 0},
+                   worker=worker)
+        t += 1
+        if t == replay.length:
+            queue.put(("adding", worker))
