@@ -67,10 +67,7 @@ class Items:
     def by_serial(self, serials: np.ndarray) -> Windows:
         """The windows of the items ``serials`` names that are still held (others dropped)."""
         serials = np.asarray(serials, np.int64)
-        hits = np.flatnonzero(np.isin(self.item, serials))
-        hits = hits[self.stream[hits] != 0]   # a row never written reads 0s
-        where = dict(zip(self.item[hits].tolist(), hits.tolist()))
-        ends = np.array([where.get(s, -1) for s in serials.tolist()], np.int64)
+        ends = self._rows_of(serials)
         ends = ends[ends >= 0]
         if not len(ends):
             return Windows(np.empty((0, self.length), np.int64), np.empty((0, 1), np.int64),
@@ -80,6 +77,30 @@ class Items:
         w = rows.locate(self.buffer, starts, self.length)
         # The row may have been recycled since it was found: keep the named items only.
         return w.take(np.isin(self.item[w.rows[:, -1]], serials))
+
+    def _rows_of(self, serials: np.ndarray) -> np.ndarray:
+        """The row of the step that completed each item of ``serials`` (-1 if not held).
+
+        A chunk's committed rows are one stream's steps in order, so their
+        serials increase: a chunk can hold ``s`` only if its first and last
+        rows bracket it, and within it a binary search finds the row.
+        """
+        k = self.k
+        chunks = np.arange(rows.claimed_chunks(self.buffer))
+        _, count = rows.chunk_seqs(self.buffer, chunks)
+        chunks, count = chunks[count > 0], count[count > 0]
+        first = self.item[chunks * k]
+        last = self.item[chunks * k + count - 1]
+        out = np.full(len(serials), -1, np.int64)
+        for i, serial in enumerate(serials.tolist()):
+            for c, n in zip(chunks[(first <= serial) & (serial <= last)].tolist(),
+                            count[(first <= serial) & (serial <= last)].tolist()):
+                span = self.item[c * k:c * k + n]
+                at = int(np.searchsorted(span, serial))
+                if at < n and span[at] == serial:
+                    out[i] = c * k + at
+                    break
+        return out
 
     def _starts(self, ends: np.ndarray) -> np.ndarray:
         """Start rows of the windows ending at ``ends`` (-1 where the start is gone)."""
@@ -129,16 +150,18 @@ class Draw:
             "recycled the chosen steps each time; the buffer is too small for its ingest rate")
 
 
-def by_age(items: Items, rng, n: int, probs: np.ndarray) -> Windows:
-    """Items by age (0 = newest) with upstream's rule: ``probs`` over ages, stretched
-    over the live items while there are fewer of them than ``len(probs)``."""
+def by_age(items: Items, rng, n: int, cdf: np.ndarray) -> Windows:
+    """Items by age (0 = newest) with upstream's rule: the probabilities whose running
+    sum is ``cdf`` over ages, stretched over the live items while there are fewer of
+    them than ``len(cdf)``."""
     lo, made = items.live()
     live = made - lo
     if live <= 0:
         return items.by_serial(np.empty(0, np.int64))
-    ages = rng.choice(len(probs), size=n, p=probs)
-    if live < len(probs):
-        ages = (ages * live) // len(probs)
+    ages = np.searchsorted(cdf, rng.random(n) * cdf[-1], side="right")
+    ages = np.minimum(ages, len(cdf) - 1)
+    if live < len(cdf):
+        ages = (ages * live) // len(cdf)
     return items.by_serial(made - 1 - ages)
 
 

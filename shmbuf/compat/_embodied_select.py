@@ -108,10 +108,10 @@ class Recency(Selector):
             raise ValueError(f"Recency: uprobs[0] ({probs[0]!r}) must be >= uprobs[-1] "
                              f"({probs[-1]!r}): newer items at least as likely as the oldest")
         self.uprobs = probs
-        self._probs = probs / probs.sum()
+        self._cdf = np.cumsum(probs)
 
     def pick(self, items, rng, n):
-        return draw.by_age(items, rng, n, self._probs)
+        return draw.by_age(items, rng, n, self._cdf)
 
     def __repr__(self):
         return f"Recency(<{len(self.uprobs)} ages>, seed={self.seed})"
