@@ -134,7 +134,7 @@ class Replay(Facade):
     def _setup(self, params: dict) -> None:
         """This handle's state from the replay's parameters (made, unpickled or attached)."""
         self._params = params
-        self._shm_name = self._name
+        self._shm_name: str = self._name  # type: ignore[assignment]  # _track set it first
         self.length = params["length"]
         self.capacity = params["capacity"]
         self.chunksize = params["chunksize"]
