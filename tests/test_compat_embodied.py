@@ -501,3 +501,12 @@ def test_sigkilled_actors_leave_consistent_items_and_their_slots(make):
             if p.is_alive():
                 p.kill()
                 p.join(TIMEOUT)
+
+
+@pytest.mark.slow
+def test_actors_racing_to_the_first_add_share_one_schema(make):
+    r = make(4, 1000)   # no spec: the first add in any of them makes the store
+    got = _run(mp.get_context("fork"), workers.add_steps, lambda i, q: (r, i, 20, q), n=3)
+    assert sorted(got) == [("ok", 0), ("ok", 1), ("ok", 2)]
+    assert len(r) == 3 * 17
+    assert set(r.sample(64)["worker"][:, 0].tolist()) <= {0, 1, 2}
