@@ -180,8 +180,10 @@ def main(argv=None) -> int:
         theirs = [r[key] for r in rows["upstream"]]
         ratios = [a / b for a, b in zip(mine, theirs)]
         result[key] = {"shmbuf": median(mine), "upstream": median(theirs),
-                       "ratio": median(ratios)}
-        print(f"{key:14}{median(mine):14.0f}{median(theirs):14.0f}{median(ratios):9.2f}  >= 2")
+                       "ratio": median(ratios), "runs": {"shmbuf": mine, "upstream": theirs}}
+        spread = f"  (ratios {min(ratios):.2f}-{max(ratios):.2f})" if ratios else ""
+        print(f"{key:14}{median(mine):14.0f}{median(theirs):14.0f}{median(ratios):9.2f}  "
+              f">= 2{spread}")
     if why:
         print(f"upstream not measured: {why}")
     result["update_ms"] = update_ms()
