@@ -200,7 +200,7 @@ def test_prioritized_zero_on_sample(make):
     fill(r, 4)
     ids = r._ids(r.sample(1)["stepid"])
     assert r.buffer.priorities_of(ids).tolist() == [[0.0]]
-    assert len(draw_counts(r, 100, batch=1)) >= 1   # all zero at last: uniform, as upstream
+    assert len(draw_counts(r, 20, batch=1)) >= 1   # all zero at last: uniform, as upstream
 
 
 # -- update: priorities and replay context -------------------------------------------
