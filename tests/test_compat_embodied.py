@@ -510,3 +510,13 @@ def test_actors_racing_to_the_first_add_share_one_schema(make):
     assert sorted(got) == [("ok", 0), ("ok", 1), ("ok", 2)]
     assert len(r) == 3 * 17
     assert set(r.sample(64)["worker"][:, 0].tolist()) <= {0, 1, 2}
+
+
+@pytest.mark.slow
+def test_online_queue_takes_items_other_processes_add(make):
+    r = make(2, 100, online=True)
+    assert _run(mp.get_context("fork"), workers.add_steps, lambda i, q: (r, 3, 7, q)) == \
+        [("ok", 3)]
+    assert r.stats()["inserts"] == 6   # counted by the constructing handle too
+    assert r.sample(3)["step"][:, 0].tolist() == [1, 3, 5]
+    assert r.sample(50, mode="report")["step"].shape == (50, 2)   # report: no queue

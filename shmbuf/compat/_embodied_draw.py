@@ -78,6 +78,28 @@ class Items:
         # The row may have been recycled since it was found: keep the named items only.
         return w.take(np.isin(self.item[w.rows[:, -1]], serials))
 
+    def online(self, since: int) -> tuple[list, int]:
+        """(serials of the items made from ``since`` on whose last step's stream position
+        is a multiple of ``length``, oldest first; the serial to look from next time)."""
+        lo, made = self.live()
+        since = max(since, lo)
+        if since >= made:
+            return [], max(since, made)
+        k = self.k
+        chunks = np.arange(rows.claimed_chunks(self.buffer))
+        _, count = rows.chunk_seqs(self.buffer, chunks)
+        chunks, count = chunks[count > 0], count[count > 0]
+        newer = self.item[chunks * k + count - 1] >= since
+        if not newer.any():
+            return [], since
+        at = np.concatenate([np.arange(c * k, c * k + n)
+                             for c, n in zip(chunks[newer].tolist(), count[newer].tolist())])
+        serial = self.item[at]
+        # An item whose serial was taken but whose step is not published yet is not
+        # queued (it is drawn like any other later); a dead actor's serial never comes.
+        pick = (serial >= since) & (serial < made) & (self.pos[at] % self.length == 0)
+        return np.sort(serial[pick]).tolist(), made
+
     def _rows_of(self, serials: np.ndarray) -> np.ndarray:
         """The row of the step that completed each item of ``serials`` (-1 if not held).
 

@@ -79,8 +79,10 @@ class Replay(Facade):
         directory: where ``save`` writes and ``load`` reads upstream's chunk
             files; None: ``save`` and ``load`` do nothing, as upstream.
         chunksize: steps per chunk file (and per chunk of the shared store).
-        online: serve each new item once, before the selector's draws
-            (``sample(mode='train')`` in the process that added it).
+        online: serve each new item once, before the selector's draws (in
+            ``sample(mode='train')``; items added by any process, upstream's
+            rule: those whose last step's stream position is a multiple of
+            ``length``).
         selector: one of this module's selectors; None: ``Uniform(seed)``.
         save_wait: accepted for upstream's signature (``save`` always
             finishes before it returns).
@@ -146,6 +148,7 @@ class Replay(Facade):
         self._streams: dict = {}
         self._streams_pid = os.getpid()
         self._queue: collections.deque = collections.deque()
+        self._online_seen = 0   # serials below this were offered to the online queue
         self._counts = {"samples": 0, "updates": 0}
         self._made_seen = 0
         self._items: draw.Items | None = None
@@ -161,7 +164,9 @@ class Replay(Facade):
         self._columns = {k: f"k{i}" for i, (k, _, _) in enumerate(self._keys)}
         self._spec = {self._columns[k]: (shape, dtype) for k, shape, dtype in self._keys}
         self._items = draw.Items(buffer, self.length, self.capacity)
-        self._made_seen = self._items.made()
+        # The constructing handle counts and queues every item; a later one, from now on.
+        self._made_seen = 0 if self.owner else self._items.made()
+        self._online_seen = self._made_seen
         self._tag = _tag(buffer.name)
 
     @property
@@ -250,8 +255,6 @@ class Replay(Facade):
         s = self._stream(worker)
         item = self.buffer.next_serial() if s.pos >= self.length - 1 else -1
         s.writer.add(**values, item=item, stream=s.id, pos=s.pos)
-        if self.online and item >= 0 and s.pos % self.length == 0:
-            self._queue.append(item)
         s.pos += 1
 
     def _coerced(self, step: dict) -> dict:
@@ -274,7 +277,6 @@ class Replay(Facade):
     def _stream(self, worker) -> _Stream:
         if self._streams_pid != os.getpid():   # a forked child: its own writers
             self._streams, self._streams_pid = {}, os.getpid()
-            self._queue = collections.deque()
         s = self._streams.get(worker)
         if s is None:
             with self._lock:
@@ -316,7 +318,13 @@ class Replay(Facade):
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ValueError(f"sample: batch must be an int >= 1, got {batch!r}")
         self._wait_items()
-        queued = self._queue if self.online and mode == "train" else None
+        queued = None
+        if self.online and mode == "train":
+            # Upstream's online queue, fed by every process: the items made since this
+            # handle last looked whose last step's stream position is a multiple of length.
+            found, self._online_seen = self._items.online(self._online_seen)  # type: ignore[union-attr]
+            self._queue.extend(found)
+            queued = self._queue
         out = rows.draw(self.buffer, draw.Draw(self._items, self.selector, queued),  # type: ignore[arg-type]  # bound once the buffer exists
                         int(batch), self.length, self._spec)
         ids = out.pop("ids")
@@ -480,6 +488,8 @@ class Replay(Facade):
         if not directory:
             return
         disk.load(self, disk.Path(directory), amount or self.capacity)
+        if self._items is not None:   # loaded items are not new: never queued as online
+            self._online_seen = self._items.made()
 
     # -- sharing ----------------------------------------------------------------------
     def __reduce__(self):
