@@ -520,3 +520,20 @@ def test_online_queue_takes_items_other_processes_add(make):
     assert r.stats()["inserts"] == 6   # counted by the constructing handle too
     assert r.sample(3)["step"][:, 0].tolist() == [1, 3, 5]
     assert r.sample(50, mode="report")["step"].shape == (50, 2)   # report: no queue
+
+
+@pytest.mark.slow
+def test_dataloader_workers_sample_the_replay(make):
+    """Forked workers (spawned ones take seconds to import torch; pickling is covered
+    by the spawned actors above)."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    r = make(3, 100)
+    fill(r, 20)
+    loader = DataLoader(workers.Batches(r, 3), batch_size=None, num_workers=2,
+                        multiprocessing_context="fork", timeout=TIMEOUT)
+    got = [batch for batch in loader]
+    assert len(got) == 6 and all(isinstance(b, torch.Tensor) for b in got)
+    for b in got:
+        assert (b - b[:, :1] == torch.arange(3)).all() and int(b.min()) >= 0
