@@ -527,11 +527,12 @@ def test_dataloader_workers_sample_the_replay(make):
     """Forked workers (spawned ones take seconds to import torch; pickling is covered
     by the spawned actors above)."""
     import torch
+    from helpers.embodied_dataset import Batches
     from torch.utils.data import DataLoader
 
     r = make(3, 100)
     fill(r, 20)
-    loader = DataLoader(workers.Batches(r, 3), batch_size=None, num_workers=2,
+    loader = DataLoader(Batches(r, 3), batch_size=None, num_workers=2,
                         multiprocessing_context="fork", timeout=TIMEOUT)
     got = [batch for batch in loader]
     assert len(got) == 6 and all(isinstance(b, torch.Tensor) for b in got)

@@ -1,6 +1,5 @@
 """Child processes of tests/test_compat_embodied.py (importable by spawn and forkserver)."""
 import numpy as np
-from torch.utils.data import IterableDataset
 
 
 def add_steps(replay, worker: int, steps: int, queue) -> None:
@@ -47,13 +46,3 @@ def add_forever(replay, worker: int, queue) -> None:
         if t == replay.length:
             queue.put(("adding", worker))
 
-
-class Batches(IterableDataset):
-    """``batches`` batches of ``replay.sample(4)``'s steps, for a torch DataLoader."""
-
-    def __init__(self, replay, batches: int):
-        self.replay, self.batches = replay, batches
-
-    def __iter__(self):
-        for _ in range(self.batches):
-            yield self.replay.sample(4)["step"]
