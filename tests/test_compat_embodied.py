@@ -9,6 +9,7 @@ import os
 import pickle
 import signal
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from helpers import embodied_workers as workers
 from helpers.stats import chi2_pvalue
 from helpers.stop_workers import Script, shm_exists
 
+from shmbuf import BufferClosedError
 from shmbuf.compat import _embodied_chunks as chunks
 from shmbuf.compat import embodied
 from shmbuf.compat.embodied import Fifo, Mixture, Prioritized, Recency, Replay, Uniform
@@ -538,3 +540,17 @@ def test_dataloader_workers_sample_the_replay(make):
     assert len(got) == 6 and all(isinstance(b, torch.Tensor) for b in got)
     for b in got:
         assert (b - b[:, :1] == torch.arange(3)).all() and int(b.min()) >= 0
+
+
+def test_no_store_is_made_once_the_constructing_process_ended():
+    code = ("import pickle, sys; from shmbuf.compat.embodied import Replay; "
+            "sys.stdout.buffer.write(pickle.dumps(Replay(2, 10)))")
+    blob = subprocess.run([sys.executable, "-c", code], capture_output=True, check=True,
+                          timeout=TIMEOUT).stdout
+    orphan = pickle.loads(blob)
+    try:
+        with pytest.raises(BufferClosedError, match="has ended"):
+            orphan.add({"step": 0})
+        assert not shm_exists(orphan.shm_name)
+    finally:
+        orphan.close()

@@ -20,9 +20,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import _segment, _signals, store
+from .. import _procs, _segment, _signals, store
 from .._cast import coerce
-from .._errors import SegmentExistsError, SegmentNotFoundError
+from .._errors import BufferClosedError, SegmentExistsError, SegmentNotFoundError
 from ..store import checked_priorities
 from . import _embodied_disk as disk
 from . import _embodied_draw as draw
@@ -116,6 +116,7 @@ class Replay(Facade):
                  handle_signals: bool | None = None):
         params = _params(length, capacity, directory, chunksize, online, save_wait, name,
                          seed, streams)
+        params["owner"] = [os.getpid(), _procs.my_start_time()]
         self.selector = _selector(selector, params["seed"])
         schema = None if spec is None else _schema_of_spec(spec)
         shm_name = _segment.generate_name() if shm_name is None else \
@@ -177,6 +178,12 @@ class Replay(Facade):
     # -- the store, made at the first add in any process ------------------------------
     def _make(self, schema: list) -> None:
         """Create the store for ``schema``; if another process did, attach and compare."""
+        pid, start = self._params["owner"]
+        if not self.owner and not _procs.is_alive(pid, start):
+            # Its finalizer can no longer remove a segment made now: refuse to make one.
+            raise BufferClosedError(f"add: replay {self.label!r} ({self._shm_name}) has no "
+                                    f"store yet and the process that made it (pid {pid}) "
+                                    "has ended")
         params = dict(self._params, keys=[[k, list(s), d.str] for k, s, d in schema])
         spec = {f"k{i}": (shape, dtype) for i, (_, shape, dtype) in enumerate(schema)}
         spec.update({c: ((), np.int64) for c in _HIDDEN})
@@ -209,7 +216,7 @@ class Replay(Facade):
             else:
                 buffer.close()
 
-    def _ensure(self, timeout: float | None = 0.0):
+    def _ensure(self):
         """The store, attaching to it if another process made it; None while pending."""
         if self.buffer is not None:
             return self.buffer
