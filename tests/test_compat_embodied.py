@@ -17,7 +17,7 @@ from helpers import embodied_workers as workers
 from helpers.stats import chi2_pvalue
 from helpers.stop_workers import Script, shm_exists
 
-from shmbuf import BufferClosedError
+from shmbuf import BufferClosedError, NoFreeWriterSlotError
 from shmbuf.compat import _embodied_chunks as chunks
 from shmbuf.compat import embodied
 from shmbuf.compat.embodied import Fifo, Mixture, Prioritized, Recency, Replay, Uniform
@@ -554,3 +554,12 @@ def test_no_store_is_made_once_the_constructing_process_ended():
         assert not shm_exists(orphan.shm_name)
     finally:
         orphan.close()
+
+
+def test_more_workers_than_streams_is_a_clear_error(make):
+    r = make(2, 10, streams=2)
+    r.add({"step": 0}, worker="a")
+    r.add({"step": 0}, worker="b")
+    with pytest.raises(NoFreeWriterSlotError, match="streams=2|2 workers"):
+        r.add({"step": 0}, worker="c")
+    assert r.stats()["streams"] == 2

@@ -22,7 +22,12 @@ import numpy as np
 
 from .. import _procs, _segment, _signals, store
 from .._cast import coerce
-from .._errors import BufferClosedError, SegmentExistsError, SegmentNotFoundError
+from .._errors import (
+    BufferClosedError,
+    NoFreeWriterSlotError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+)
 from ..store import checked_priorities
 from . import _embodied_disk as disk
 from . import _embodied_draw as draw
@@ -289,7 +294,14 @@ class Replay(Facade):
             with self._lock:
                 s = self._streams.get(worker)
                 if s is None:
-                    s = self._streams[worker] = _Stream(self.buffer.writer())
+                    try:
+                        writer = self.buffer.writer()
+                    except NoFreeWriterSlotError:
+                        raise NoFreeWriterSlotError(
+                            f"add(worker={worker!r}): replay {self.label!r} already has "
+                            f"{self._params['streams']} workers adding (streams=); make it "
+                            "with Replay(..., streams=N) for more") from None
+                    s = self._streams[worker] = _Stream(writer)
         return s
 
     # -- sampling -------------------------------------------------------------------
