@@ -150,8 +150,13 @@ class Draw:
 
     def _draw(self, finder, rng, n, length, tail):
         found, need = [], n
-        if self.queued:
-            take = [self.queued.popleft() for _ in range(min(need, len(self.queued)))]
+        take = []
+        while self.queued and len(take) < need:
+            try:
+                take.append(self.queued.popleft())
+            except IndexError:   # another sampling thread took the last one
+                break
+        if take:
             w = self.items.keep_live(self.items.by_serial(np.array(take)))
             found.append(w)
             need -= len(w.rows)
