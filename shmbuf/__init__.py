@@ -27,6 +27,7 @@ from ._errors import (
                       WaitTimeoutError,
 )
 from ._open import attach, load
+from .compat import embodied as _embodied  # noqa: F401  # registers embodied.Replay
 from .compat._diamond_dataset import SequenceDataset
 from .compat.diamond import ReplayBuffer as DiamondReplayBuffer
 from .compat.dreamer import ReplayBuffer

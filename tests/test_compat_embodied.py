@@ -17,6 +17,7 @@ from helpers import embodied_workers as workers
 from helpers.stats import chi2_pvalue
 from helpers.stop_workers import Script, shm_exists
 
+import shmbuf
 from shmbuf import BufferClosedError, NoFreeWriterSlotError
 from shmbuf.compat import _embodied_chunks as chunks
 from shmbuf.compat import embodied
@@ -467,6 +468,11 @@ def test_attach_by_name(make):
     r = make(2, 10, spec={"step": ((), np.int64)})
     for t in range(5):
         r.add({"step": t})
+    plain = shmbuf.attach(r.shm_name)   # the registry knows the facade
+    try:
+        assert isinstance(plain, Replay) and len(plain) == 4
+    finally:
+        plain.close()
     other = Replay.attach(r.shm_name)
     try:
         assert len(other) == 4 and other.length == 2 and other.capacity == 10

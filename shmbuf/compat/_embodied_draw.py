@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from .._errors import SampleRetryError
-from ..sampling import Windows, joined
+from ..sampling.windows import Windows, joined
 from . import _embodied_rows as rows
 
 _ROUNDS = 64

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .. import _atomic as atomic
-from .._out import prepare_out
-from .._ring import _COUNT, _STATE, _TICKET
-from ..sampling import Windows
+from ..protocol import _atomic as atomic
+from ..protocol.words import _COUNT, _STATE, _TICKET
+from ..sampling.out import prepare_out
+from ..sampling.windows import Windows
 
 
 def items_made(buffer) -> int:

@@ -20,15 +20,18 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .. import _procs, _segment, _signals, store
-from .._cast import coerce
 from .._errors import (
     BufferClosedError,
     NoFreeWriterSlotError,
     SegmentExistsError,
     SegmentNotFoundError,
 )
-from ..store import checked_priorities
+from ..posix import procs as _procs
+from ..posix import signals as _signals
+from ..segment import segment as _segment
+from ..store import buffer as store
+from ..store.reads import checked_priorities
+from ..writing.cast import coerce
 from . import _embodied_disk as disk
 from . import _embodied_draw as draw
 from . import _embodied_rows as rows
