@@ -72,6 +72,11 @@ def main(argv=None) -> int:
                 latent = data["vector"]   # stands in for the world model's state
                 replay.update({"stepid": data["stepid"], "priority": loss,
                                "latent": latent})
+            print(f"sample({BATCH}): vector {data['vector'].shape} {data['vector'].dtype}, "
+                  f"is_first {data['is_first'].shape}, stepid {data['stepid'].shape} "
+                  f"{data['stepid'].dtype}")
+            print(f"update(): priority {loss.shape} and latent {latent.shape} written back, "
+                  f"{args.updates} times")
             for _ in procs:
                 done.get(timeout=120)
             for p in procs:
@@ -82,12 +87,9 @@ def main(argv=None) -> int:
                     p.kill()
                     p.join(5)
         stats = replay.stats()
-        print(f"items {stats['items']}, inserts {stats['inserts']}, samples "
-              f"{stats['samples']}, updates {stats['updates']}, replay ratio "
-              f"{stats['replay_ratio']:.3f}")
-        written = replay.sample(64)
-        print(f"steps with a written-back latent in a fresh batch: "
-              f"{int((written['latent'] != 0).any(-1).sum())} of {64 * LENGTH}")
+        print(f"done: {stats['items']} items from {args.actors} actors, {stats['samples']} "
+              f"samples, replay ratio {stats['replay_ratio']:.3f}, exit codes "
+              f"{[p.exitcode for p in procs]}")
     return 0
 
 

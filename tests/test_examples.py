@@ -58,6 +58,11 @@ FACADE_EXAMPLES = {
         "sample(): obs (20, 16, 3, 64, 64) uint8, act (20, 16, 6), rew (20, 16), "
         "term (20, 16) float32",
         "done: 600 steps from 2 workers, 6 episodes, exit codes [0, 0]"]),
+    "dreamerv3_replay.py": (["--actors", "4", "--steps", "100", "--updates", "5"], [
+        "sample(8): vector (8, 16, 4) float32, is_first (8, 16), stepid (8, 16, 20) uint8",
+        "update(): priority (8, 16) and latent (8, 16, 4) written back, 5 times",
+        "done: 340 items from 4 actors, 40 samples, replay ratio 1.882, exit codes "
+        "[0, 0, 0, 0]"]),
     "planet_memory.py": (["--workers", "2", "--episodes", "5"], [
         "sample(16, tracelen=20): x (16, 21, 3, 16, 16), u (16, 20, 2), r (16, 20), "
         "t (16, 20), lengths (16,)",
