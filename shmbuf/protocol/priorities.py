@@ -56,6 +56,15 @@ class Priorities:
 
     def of_ids(self, ids: np.ndarray) -> np.ndarray:
         """Priorities (float32) of the steps ``ids`` names now; NaN where an id is stale."""
+        rows, held, chunk, state = self.held_rows(ids)
+        value, _ = self.values(np.where(held, rows, 0))
+        held &= self.unchanged(chunk, state)
+        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
+
+    def held_rows(self, ids: np.ndarray):
+        """``(rows, held, chunk, state)`` of the flat int64 ``ids`` now: the row each id
+        names, whether its step is held there, and the chunk and state word to check
+        with ``unchanged`` after the row was read or written."""
         flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
         k, table = self.k, self.ring.chunk_table
         ticket, off = np.divmod(np.maximum(flat, 0), k)
@@ -68,10 +77,12 @@ class Priorities:
                 & (state >> np.uint64(32) & np.uint64(1) == 0)
                 & (table[chunk, _TICKET].view(np.int64) == ticket)
                 & (table[chunk, _COUNT].view(np.int64) > off))
-        value, _ = self.values(np.where(held, chunk * k + off, 0))
+        return chunk * k + off, held, chunk, state
+
+    def unchanged(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """True where ``chunk`` still has the ``state`` word ``held_rows`` read."""
         atomic.fence_acquire()
-        held &= table[chunk, _STATE] == state
-        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
+        return self.ring.chunk_table[chunk, _STATE] == state
 
     # -- values ----------------------------------------------------------------------
     def largest(self) -> float:

@@ -116,10 +116,29 @@ class Buffer(Reads, Checkpoints, Shared):
         """The JSON metadata given to ``create`` (facades keep their parameters here)."""
         return dict(self._meta)
 
-    def next_serial(self) -> int:
-        """A buffer-wide serial number, unique across all processes (0, 1, 2, ...)."""
+    def next_serial(self, count: int = 1) -> int:
+        """A buffer-wide serial number, unique across all processes (0, 1, 2, ...).
+
+        Args:
+            count: take ``count`` consecutive serials at once (an int >= 1);
+                the first is returned.
+
+        Example:
+            >>> first = buf.next_serial(8)   # first, first + 1, ..., first + 7 are ours
+        """
         self._check_open()
-        return self._ring.bump("serial")
+        if count != 1:
+            count = check_int("count", count, 1)
+        return self._ring.bump("serial", count)
+
+    def serial_count(self) -> int:
+        """How many serials ``next_serial`` has handed out, in every process together.
+
+        Example:
+            >>> buf.next_serial(3); buf.serial_count()   # 3
+        """
+        self._check_open()
+        return self._ring.counter("serial")
 
     @property
     def done_key(self) -> str | None:

@@ -18,6 +18,7 @@ from ..sampling.rng import ProcessRandom
 from ..sampling.windows import WindowFinder
 from ..segment.pages import ChunkPages
 from ..select import resolve
+from ..writing.cast import coerce
 from ..writing.ratelimit import Limiter
 from ..writing.writer import Writer
 
@@ -249,6 +250,68 @@ class Reads:
         self._check_priorities("update_priorities")
         ids, stored = checked_priorities(ids, priorities)
         return self._ring.prio().update(ids, stored)
+
+    def write_steps(self, ids, **columns) -> int:
+        """Write values into the held steps that step ``ids`` name, from any process.
+
+        This is how a learner stores what it computed for sampled steps beside
+        them (DreamerV3's replay context: latents written back into the
+        frames' steps).  An id whose step was evicted is skipped and never
+        names another step.  The held check is repeated after the write; the
+        one race left is a chunk recycled between the check and the write,
+        which can only be the oldest chunk of the buffer while a writer
+        recycles it: its new step may then keep the written value in these
+        columns.
+
+        Args:
+            ids: int64 ids from ``sample_sequences(..., ids=True)["ids"]``, any
+                shape (numpy, or a torch tensor on any device).
+            **columns: one array per column to write, of shape
+                ``ids.shape + column shape``, losslessly castable to the
+                column's dtype.
+
+        Returns:
+            How many ids named a held step (and were written).
+
+        Raises:
+            ValueError: the buffer has no priorities (so no step ids); a
+                negative id; a column's value of the wrong shape; no columns.
+            KeyError: a column the buffer does not have.
+            TypeError: ids that are not int64; a lossy value.
+            Nothing is written when any of these is raised.
+
+        Example:
+            >>> batch = buf.sample_sequences(16, 64, ids=True, time_major=False)
+            >>> buf.write_steps(batch["ids"], deter=latents)   # (16, 64, 512)
+        """
+        self._check_live()
+        self._check_priorities("write_steps")
+        ids = _host_array("ids", ids)
+        if ids.dtype != np.int64:
+            raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
+                            f"returns them), got dtype {ids.dtype}")
+        if not columns:
+            raise ValueError("write_steps: give at least one column=values")
+        if ids.size and ids.min() < 0:
+            at = [int(i) for i in np.unravel_index(int(np.argmin(ids)), ids.shape)]
+            raise ValueError(f"ids{at} is {int(ids.min())}; step ids are >= 0; nothing was "
+                             "written")
+        spec = self._layout.spec()
+        values = {}
+        for name, value in columns.items():
+            if name not in spec:
+                raise KeyError(f"write_steps: no column {name!r} (columns {sorted(spec)}); "
+                               "nothing was written")
+            shape, dtype = spec[name]
+            values[name] = coerce(f"write_steps({name}=...)", value, dtype, ids.shape + shape)
+        prio = self._ring.prio()
+        rows, held, chunk, state = prio.held_rows(ids)
+        if not held.any():
+            return 0
+        for name, value in values.items():
+            flat = value.reshape((len(rows),) + spec[name][0])
+            self._views[name][rows[held]] = flat[held]
+        return int((held & prio.unchanged(chunk, state)).sum())
 
     def priorities_of(self, ids) -> np.ndarray:
         """The priorities of the steps ``ids`` names now (NaN where an id is stale).
