@@ -36,7 +36,7 @@ class State:
 def save(replay, directory: Path) -> None:
     buffer, items = replay.buffer, replay._items
     directory.mkdir(parents=True, exist_ok=True)
-    k = rows.chunk_size(buffer)
+    k = buffer.chunk_size
     ids = np.arange(rows.claimed_chunks(buffer))
     state, count = rows.chunk_seqs(buffer, ids)
     held = count > 0
@@ -147,7 +147,7 @@ def _add_run(replay, run: dict) -> None:
     values = replay._coerced_run(run, n)
     length = replay.length
     made = max(0, n - length + 1)
-    first = rows.take_serials(replay.buffer, made) if made else 0
+    first = replay.buffer.next_serial(made) if made else 0
     item = np.full(n, -1, np.int64)
     item[length - 1:] = np.arange(first, first + made)
     stream = draw.stream_id()

@@ -40,7 +40,7 @@ class Items:
         self.buffer, self.length, self.capacity = buffer, length, capacity
         arrays = buffer.arrays
         self.item, self.stream, self.pos = arrays["item"], arrays["stream"], arrays["pos"]
-        self.k = rows.chunk_size(buffer)
+        self.k = buffer.chunk_size
 
     def core(self, selector, rng, n: int) -> Windows:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
@@ -52,7 +52,7 @@ class Items:
         self.buffer.update_priorities(ids, np.zeros(ids.shape, np.float32))
 
     def made(self) -> int:
-        return rows.items_made(self.buffer)
+        return self.buffer.serial_count()
 
     def live(self) -> tuple[int, int]:
         """(oldest live serial, serials made): the live items are ``[lo, made)``."""

@@ -409,7 +409,7 @@ class Replay(Facade):
         if stored is not None:
             self.buffer.update_priorities(ids, stored.reshape(ids.shape))
         for column, (width, values) in context.items():
-            rows.write_rows(self.buffer, column, np.ascontiguousarray(ids[:, :width]), values)
+            self.buffer.write_steps(np.ascontiguousarray(ids[:, :width]), **{column: values})
         self._counts["updates"] += int(ids.size)
 
     def _ids(self, stepid: np.ndarray) -> np.ndarray:
