@@ -36,12 +36,8 @@ class State:
 def save(replay, directory: Path) -> None:
     buffer, items = replay.buffer, replay._items
     directory.mkdir(parents=True, exist_ok=True)
-    k = buffer.chunk_size
-    ids = np.arange(rows.claimed_chunks(buffer))
-    state, count = rows.chunk_seqs(buffer, ids)
-    held = count > 0
-    ids, state, count = ids[held], state[held], count[held]
-    firsts = ids * k
+    live = rows.live_chunks(buffer)
+    ids, seqs, count, firsts = live.chunk, live.seq, live.count, live.base
     streams, first_pos = items.stream[firsts].copy(), items.pos[firsts].copy()
     starts = _live_starts(items, firsts, count)
     now = datetime.datetime.now()
@@ -53,7 +49,7 @@ def save(replay, directory: Path) -> None:
         for lo_pos, hi_pos in _files(segments, starts[s], replay.chunksize, replay._disk, s):
             got = _copy(replay, segments, lo_pos, hi_pos, s)
             used = [i for p, c, i, _ in segments if p < hi_pos and p + c > lo_pos]
-            if got is None or not rows.unchanged(buffer, ids[used], state[used]).all():
+            if got is None or not rows.unchanged(buffer, ids[used], seqs[used]).all():
                 break   # recycled while it was read: evicted, and so is what follows
             n = hi_pos - lo_pos
             uuid = chunks.uuid_for(replay.shm_name, s, lo_pos)

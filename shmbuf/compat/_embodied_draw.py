@@ -85,15 +85,13 @@ class Items:
         since = max(since, lo)
         if since >= made:
             return [], max(since, made)
-        k = self.k
-        chunks = np.arange(rows.claimed_chunks(self.buffer))
-        _, count = rows.chunk_seqs(self.buffer, chunks)
-        chunks, count = chunks[count > 0], count[count > 0]
-        newer = self.item[chunks * k + count - 1] >= since
+        live = rows.live_chunks(self.buffer)
+        base, count = live.base, live.count
+        newer = self.item[base + count - 1] >= since
         if not newer.any():
             return [], since
-        at = np.concatenate([np.arange(c * k, c * k + n)
-                             for c, n in zip(chunks[newer].tolist(), count[newer].tolist())])
+        at = np.concatenate([np.arange(b, b + n)
+                             for b, n in zip(base[newer].tolist(), count[newer].tolist())])
         serial = self.item[at]
         # An item whose serial was taken but whose step is not published yet is not
         # queued (it is drawn like any other later); a dead actor's serial never comes.
@@ -107,34 +105,31 @@ class Items:
         serials increase: a chunk can hold ``s`` only if its first and last
         rows bracket it, and within it a binary search finds the row.
         """
-        k = self.k
-        chunks = np.arange(rows.claimed_chunks(self.buffer))
-        _, count = rows.chunk_seqs(self.buffer, chunks)
-        chunks, count = chunks[count > 0], count[count > 0]
-        first = self.item[chunks * k]
-        last = self.item[chunks * k + count - 1]
+        live = rows.live_chunks(self.buffer)
+        base, count = live.base, live.count
+        first, last = self.item[base], self.item[base + count - 1]
         out = np.full(len(serials), -1, np.int64)
         for i, serial in enumerate(serials.tolist()):
-            for c, n in zip(chunks[(first <= serial) & (serial <= last)].tolist(),
-                            count[(first <= serial) & (serial <= last)].tolist()):
-                span = self.item[c * k:c * k + n]
+            maybe = (first <= serial) & (serial <= last)
+            for b, n in zip(base[maybe].tolist(), count[maybe].tolist()):
+                span = self.item[b:b + n]
                 at = int(np.searchsorted(span, serial))
                 if at < n and span[at] == serial:
-                    out[i] = c * k + at
+                    out[i] = b + at
                     break
         return out
 
     def _starts(self, ends: np.ndarray) -> np.ndarray:
         """Start rows of the windows ending at ``ends`` (-1 where the start is gone)."""
-        k, n = self.k, rows.claimed_chunks(self.buffer)
-        firsts = np.arange(n) * k
-        f_stream, f_pos = self.stream[firsts], self.pos[firsts]
+        live = rows.live_chunks(self.buffer)
+        base, count = live.base, live.count
+        f_stream, f_pos = self.stream[base], self.pos[base]
         out = np.full(len(ends), -1, np.int64)
         for i, end in enumerate(ends.tolist()):
             s, p0 = int(self.stream[end]), int(self.pos[end]) - self.length + 1
-            at = np.flatnonzero((f_stream == s) & (f_pos <= p0) & (p0 < f_pos + k))
+            at = np.flatnonzero((f_stream == s) & (f_pos <= p0) & (p0 < f_pos + count))
             if len(at):
-                out[i] = int(at[-1]) * k + p0 - int(f_pos[at[-1]])
+                out[i] = int(base[at[-1]]) + p0 - int(f_pos[at[-1]])
         return out
 
 

@@ -8,15 +8,13 @@ they can move into the core as one piece:
   while it was copied is redrawn exactly as for ``sample_sequences``;
 - ``locate``: validated windows from candidate start rows;
 - ``ids_of_rows``: the step ids of located rows (``zero_on_sample``);
-- ``claimed_chunks``, ``chunk_seqs``, ``unchanged``: the chunk table, for
+- ``live_chunks``, ``unchanged``: the chunk table, for
   finding items by serial and for copying chunks out to files.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..protocol import _atomic as atomic
-from ..protocol.words import _COUNT, _STATE
 from ..sampling.out import prepare_out
 from ..sampling.windows import Windows
 
@@ -44,19 +42,11 @@ def ids_of_rows(buffer, found_rows: np.ndarray) -> np.ndarray:
     return buffer._ring.prio().ids(found_rows)
 
 
-def claimed_chunks(buffer) -> int:
-    return buffer._ring.claimed_chunks()
+def live_chunks(buffer):
+    """The chunks holding committed rows now, with their seqs (``Ring.live_chunks``)."""
+    return buffer._ring.live_chunks()
 
 
-def chunk_seqs(buffer, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(state word, committed count) of ``chunks`` now; compare the state after a copy."""
-    table = buffer._ring.chunk_table
-    state = table[chunks, _STATE].copy()
-    atomic.fence_acquire()
-    count = np.clip(table[chunks, _COUNT].view(np.int64), 0, buffer._ring.chunk_rows[chunks])
-    return state, count
-
-
-def unchanged(buffer, chunks: np.ndarray, state: np.ndarray) -> np.ndarray:
-    atomic.fence_acquire()
-    return buffer._ring.chunk_table[chunks, _STATE] == state
+def unchanged(buffer, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
+    """After rows were read: True where each chunk still has its seq."""
+    return buffer._ring.unchanged(chunks, seqs)
