@@ -40,7 +40,6 @@ class Items:
         self.buffer, self.length, self.capacity = buffer, length, capacity
         arrays = buffer.arrays
         self.item, self.stream, self.pos = arrays["item"], arrays["stream"], arrays["pos"]
-        self.k = buffer.chunk_size
 
     def core(self, selector, rng, n: int) -> Windows:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
