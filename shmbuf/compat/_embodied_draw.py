@@ -144,7 +144,7 @@ class Draw:
 
     def _draw(self, finder, rng, n, length, tail):
         found, need = [], n
-        take = []
+        take: list[int] = []
         while self.queued and len(take) < need:
             try:
                 take.append(self.queued.popleft())

@@ -471,7 +471,7 @@ class Replay(Facade):
         }
 
     # -- upstream's chunk directory -------------------------------------------------
-    def save(self):
+    def save(self):  # type: ignore[override]  # upstream's save(), not Facade.save(path)
         """Write the chunks that hold live items into ``directory``, upstream's format.
 
         Chunks written by an earlier ``save`` of this handle are not written
