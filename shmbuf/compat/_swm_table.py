@@ -1,0 +1,346 @@
+"""A stable-worldmodel episode table in one shared step store, made at the first episode.
+
+swm's buffers fix their schema from the first episode, so the segment can
+only be sized then: a ``Table`` knows its name from the start (it pickles to
+it) and creates the segment when the first episode arrives, in whatever
+process that is; a process that loses the race attaches.
+
+Storage: user column ``i`` is the store's column ``c{i}`` (swm names need
+not be Python identifiers), ``done`` ends every episode on its last row,
+``mark`` flags the one-row episodes that ``clear()`` writes, and ``epd``
+carries the episode's ``_episode_data`` (see ``_swm_codec``).  The metadata
+keeps the user names, the text columns and the parameters.
+
+Reading: a ``View`` is the finished episodes held now, oldest first (the
+order they ended), as one flat array of physical rows, episode after
+episode, like swm's flat storage.  Episodes whose rows were recycled are
+dropped, and so is everything up to the newest ``clear()`` mark.  Every read
+checks, after its copy, that no chunk it read was recycled meanwhile.
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import numpy as np
+
+from .. import _signals, store
+from .._errors import CorruptSegmentError, SegmentExistsError, SegmentNotFoundError
+from .._handle import _finalize
+from .._layout import CLOSED_OWNER
+from .._segment import unlink as unlink_segment
+from ..sampling import Windows
+from . import _swm_codec as codec
+
+FACADE = "swm"
+_RETRIES = 8
+
+
+class TableChangedError(RuntimeError):
+    """Rows being read were recycled by a writer; read again with a fresh view."""
+
+
+def keep(buf) -> None:
+    """Make owning ``buf`` stop removing its segment at close, exit or SIGTERM.
+
+    The segment then stays until ``shmbuf rm``, ``shmbuf gc`` (once its
+    creator has exited) or a reboot; its header still names the creator.
+    """
+    if not buf.owner:
+        return
+    buf._disown()
+    buf._finalizer = weakref.finalize(buf, _finalize, buf._segment, None)
+    buf._creator_pid = None
+    _signals.forget(buf)
+
+
+def remove(name: str) -> None:
+    """Mark segment ``name`` closed and remove it (its writers stop); gone already is fine."""
+    try:
+        unlink_segment(name, CLOSED_OWNER)
+    except (FileNotFoundError, SegmentNotFoundError):
+        pass
+
+
+def exists(name: str) -> bool:
+    return os.path.exists(os.path.join("/dev/shm", name))
+
+
+def attach_table(name: str, who: str):
+    """The core buffer of swm table ``name``, attached (never owned).
+
+    Raises:
+        SegmentNotFoundError: no segment has that name.
+        ValueError: the segment is not a stable-worldmodel table.
+    """
+    try:
+        buf = store.attach(name)
+    except CorruptSegmentError as exc:
+        raise ValueError(f"{who}: segment {name!r} is not a stable-worldmodel buffer "
+                         f"({exc})") from None
+    if buf.meta.get("facade") != FACADE:
+        made = buf.meta.get("facade") or buf.meta.get("source") or "shmbuf.create"
+        buf.close()
+        raise ValueError(f"{who}: segment {name!r} is not a stable-worldmodel buffer (it was "
+                         f"made by {made}); use shmbuf.attach for it")
+    return buf
+
+
+class Table:
+    """The shared table behind one swm object (see the module docstring).
+
+    Args:
+        name: the segment's name (made on the first episode).
+        capacity: steps the store holds (swm's ``max_steps``).
+        params: JSON-able parameters kept in the metadata.
+        keep_created: a segment this process creates outlives it (``keep``).
+    """
+
+    def __init__(self, name: str, capacity: int, params: dict, *, keep_created: bool):
+        self.name = name
+        self.capacity = capacity
+        self.params = params
+        self.keep_created = keep_created
+        self.buf = None
+        self._writer = None
+        self._view: View | None = None
+
+    # -- the segment ----------------------------------------------------------------
+    def attached(self, who: str):
+        """The core buffer, attached now if it exists; None before the first episode."""
+        if self.buf is None:
+            try:
+                self.buf = attach_table(self.name, who)
+            except SegmentNotFoundError:
+                return None
+        return self.buf
+
+    def _create(self, cols: dict[str, np.ndarray], blob: bytes, steps: int, who: str):
+        spec = {f"c{i}": (arr.shape[1:], codec.column_dtype(arr))
+                for i, arr in enumerate(cols.values())}
+        width = codec.data_width(blob, steps)
+        spec.update(done=((), np.bool_), mark=((), np.uint8), epd=((width,), np.uint8))
+        meta = {"facade": FACADE, "params": self.params, "columns": list(cols)}
+        try:
+            buf = store.create(spec, self.capacity, name=self.name, meta=meta, priorities=True,
+                               handle_signals=None if not self.keep_created else False)
+        except SegmentExistsError:
+            return self.attached(who)
+        if self.keep_created:
+            keep(buf)
+        self.buf = buf
+        return buf
+
+    def columns(self) -> list[str]:
+        return [] if self.buf is None else list(self.buf.meta["columns"])
+
+    def stored(self) -> dict[str, tuple[tuple, np.dtype]]:
+        """``{user column: (per-step shape, dtype)}``; empty before the first episode."""
+        if self.buf is None:
+            return {}
+        spec = self.buf.spec
+        return {c: spec[f"c{i}"] for i, c in enumerate(self.buf.meta["columns"])}
+
+    # -- writing --------------------------------------------------------------------------
+    def check(self, cols: dict[str, np.ndarray], who: str) -> None:
+        """Schema drift is refused here, before anything is written."""
+        stored = self.stored()
+        if not stored:
+            return
+        if set(stored) != set(cols):
+            raise ValueError(f"{who}: schema mismatch. missing={sorted(set(stored) - set(cols))}, "
+                             f"extra={sorted(set(cols) - set(stored))}")
+        for col, arr in cols.items():
+            shape, dtype = stored[col]
+            codec.check_value(col, arr, shape, dtype, who)
+
+    def write(self, cols: dict[str, np.ndarray], steps: int, data: dict, who: str) -> None:
+        """Append one whole episode; it becomes visible when its last row is published."""
+        blob = codec.encode_data(data)
+        buf = self.attached(who)
+        if buf is None:
+            buf = self._create(cols, blob, steps, who)
+        self.check(cols, who)
+        width = buf.spec["epd"][0][0]
+        epd = codec.spread(blob, steps, width, who)
+        done = np.zeros(steps, np.bool_)
+        done[-1] = True
+        values = {f"c{i}": cols[c] for i, c in enumerate(buf.meta["columns"])}
+        values.update(done=done, mark=np.zeros(steps, np.uint8), epd=epd)
+        self._get_writer().extend(**values)
+
+    def clear(self) -> None:
+        """Hide every episode held now, in every process (a one-row mark episode)."""
+        buf = self.attached("clear")
+        if buf is None:
+            return
+        values = {}
+        for col, (shape, dtype) in buf.spec.items():
+            values[col] = np.zeros((1,) + tuple(shape), dtype)
+        values["done"][:] = True
+        values["mark"][:] = 1
+        self._get_writer().extend(**values)
+        self._view = None
+
+    def _get_writer(self):
+        if self._writer is None or self._writer_pid != os.getpid():
+            self._writer = self.buf.writer()
+            self._writer_pid = os.getpid()
+        return self._writer
+
+    # -- reading ------------------------------------------------------------------------
+    def view(self, who: str = "read") -> View:
+        """The finished episodes held now (cached until the episode index moves)."""
+        buf = self.attached(who)
+        if buf is None:
+            return View.empty()
+        logged = buf._ring.episodes_logged()
+        if self._view is None or self._view.logged != logged or not self._view.valid():
+            self._view = View.build(buf, logged, self._view)
+        return self._view
+
+    def close(self, remove_segment: bool) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None and getattr(self, "_writer_pid", None) == os.getpid():
+            writer.close()
+        buf, self.buf = self.buf, None
+        self._view = None
+        if buf is not None:
+            buf.close()
+        if remove_segment:
+            remove(self.name)
+
+
+class View:
+    """The held finished episodes as flat rows (see the module docstring)."""
+
+    def __init__(self, buf, logged: int, index, lengths, rows, chunks, seqs, hops):
+        self.buf = buf
+        self.logged = logged
+        self.index = index                  # episode-index numbers, oldest first
+        self.lengths = lengths              # int64 steps per episode
+        self.offsets = np.zeros(len(lengths), np.int64)
+        if len(lengths):
+            np.cumsum(lengths[:-1], out=self.offsets[1:])
+        self.rows = rows                    # int64 physical rows, episode after episode
+        self.chunks, self.seqs, self.hops = chunks, seqs, hops   # (n, hops) padded
+        self._starts: dict[int, np.ndarray] = {}
+        self._data: dict[int, dict] = {}
+        self.built = time.monotonic()
+
+    @classmethod
+    def empty(cls) -> View:
+        z = np.zeros(0, np.int64)
+        return cls(None, 0, z, z, z, np.zeros((0, 1), np.int64), np.zeros((0, 1), np.int64), 1)
+
+    @property
+    def steps(self) -> int:
+        return int(self.lengths.sum())
+
+    @classmethod
+    def build(cls, buf, logged: int, old: View | None) -> View:
+        eps = buf.episodes()
+        finder, ring, views = buf._finder, buf._ring, buf._views
+        known = {} if old is None or old.buf is not buf else {
+            int(i): k for k, i in enumerate(old.index.tolist())}
+        found = []
+        for k in range(len(eps.index)):
+            i = int(eps.index[k])
+            if i in known:
+                j = known[i]
+                a = int(old.offsets[j])
+                n = int(old.lengths[j])
+                found.append((i, old.rows[a:a + n], old.chunks[j, :old.hops], old.seqs[j, :old.hops]))
+                continue
+            start = int(ring.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
+            w = finder.locate(np.array([start], np.int64), int(eps.length[k]), 0, 1)
+            if not len(w.rows) or (int(w.chunks[0, 0]), int(w.seqs[0, 0])) != (
+                    int(eps.chunk[k]), int(eps.seq[k])):
+                continue
+            found.append((i, w.rows[0], w.chunks[0], w.seqs[0]))
+        # The newest clear() mark hides itself and everything that ended before it.
+        marks = [n for n, f in enumerate(found) if len(f[1]) == 1 and views["mark"][f[1][0]]]
+        if marks:
+            found = found[marks[-1] + 1:]
+        hops = max([len(f[2]) for f in found], default=1)
+        n = len(found)
+        chunks = np.empty((n, hops), np.int64)
+        seqs = np.empty((n, hops), np.int64)
+        for k, (_, _, c, s) in enumerate(found):
+            chunks[k, :len(c)], seqs[k, :len(s)] = c, s
+            chunks[k, len(c):], seqs[k, len(s):] = c[-1], s[-1]   # a repeat checks nothing new
+        view = cls(buf, logged, np.array([f[0] for f in found], np.int64),
+                   np.array([len(f[1]) for f in found], np.int64),
+                   np.concatenate([f[1] for f in found]) if found else np.zeros(0, np.int64),
+                   chunks, seqs, hops)
+        ok = view.check_episodes(np.arange(n))
+        if not ok.all():   # recycled since the index was read: drop them
+            return view.keep_only(ok, logged)
+        return view
+
+    def keep_only(self, ok: np.ndarray, logged: int) -> View:
+        parts = [self.rows[a:a + n] for a, n, good in
+                 zip(self.offsets.tolist(), self.lengths.tolist(), ok.tolist()) if good]
+        return View(self.buf, logged, self.index[ok], self.lengths[ok],
+                    np.concatenate(parts) if parts else np.zeros(0, np.int64),
+                    self.chunks[ok], self.seqs[ok], self.hops)
+
+    def check_episodes(self, eps: np.ndarray) -> np.ndarray:
+        """True for each episode of ``eps`` whose chunks were not recycled."""
+        eps = np.unique(eps) if len(eps) > 1 else eps
+        if self.buf is None or not len(eps):
+            return np.ones(len(eps), np.bool_)
+        w = Windows(np.zeros((len(eps), 1), np.int64), np.ascontiguousarray(self.chunks[eps]),
+                    np.ascontiguousarray(self.seqs[eps]))
+        return self.buf._finder.still_valid(w)
+
+    def valid(self) -> bool:
+        """The cached view's oldest episode is still whole (a cheap freshness check)."""
+        return not len(self.index) or bool(self.check_episodes(np.array([0]))[0])
+
+    def clip_starts(self, span: int) -> np.ndarray:
+        """``(n + 1,)`` cumulative counts of clips of ``span`` steps per episode."""
+        got = self._starts.get(span)
+        if got is None:
+            got = np.zeros(len(self.lengths) + 1, np.int64)
+            np.cumsum(np.maximum(0, self.lengths - span + 1), out=got[1:])
+            self._starts[span] = got
+        return got
+
+    def to_clips(self, flat: np.ndarray, span: int, who: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(episode, local start)`` of flat clip indices (swm's order: oldest first)."""
+        starts = self.clip_starts(span)
+        total = int(starts[-1])
+        if flat.size and (flat.min() < 0 or flat.max() >= total):
+            raise IndexError(f"{who}: clip index out of range [0, {total})")
+        ep = np.searchsorted(starts[1:], flat, side="right")
+        return ep, flat - starts[ep]
+
+    def gather(self, col: str, positions: np.ndarray) -> np.ndarray:
+        """Store column ``col`` at flat positions (any shape), copied."""
+        return np.take(self.buf._views[col], self.rows[positions], axis=0)
+
+    def confirm(self, eps: np.ndarray, who: str) -> None:
+        """Raise TableChangedError if an episode of ``eps`` was recycled during a read."""
+        if not self.check_episodes(eps).all():
+            raise TableChangedError(f"{who}: episodes were recycled while they were read")
+
+    def episode_data(self, ep: int) -> dict:
+        got = self._data.get(ep)
+        if got is None:
+            a, n = int(self.offsets[ep]), int(self.lengths[ep])
+            got = codec.gather_data(self.gather("epd", np.arange(a, a + n)))
+            self.confirm(np.array([ep]), "episode data")
+            self._data[ep] = got
+        return got
+
+
+def retrying(fn, table: Table, who: str):
+    """``fn(view)`` with a fresh view after each TableChangedError (a few times)."""
+    for _ in range(_RETRIES):
+        try:
+            return fn(table.view(who))
+        except TableChangedError:
+            table._view = None
+    return fn(table.view(who))

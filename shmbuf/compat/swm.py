@@ -1,0 +1,717 @@
+"""stable-worldmodel's data API over shared memory: ``ReplayBuffer`` and the ``shm://`` format.
+
+``ReplayBuffer`` has the signature and behaviour of
+``stable_worldmodel.data.ReplayBuffer`` (a swm ``Dataset`` and episode
+writer), but its episodes live in a shmbuf segment: it pickles to its name,
+so DataLoader workers read the same memory and several collector processes
+write episodes into it at once.
+
+Importing this module registers ``ShmFormat`` with swm's format registry as
+``"shmbuf"``: ``load_dataset("shm://NAME")``, ``convert(..., "shm://NAME",
+dest_format="shmbuf")``, ``World.collect("shm://NAME", format="shmbuf")`` and
+``ReplayBuffer.dump("shm://NAME", format="shmbuf")`` then work.
+
+This is the one module of shmbuf that imports stable-worldmodel (the core
+never does).  docs/swm.md describes the classes, the storage and every
+deliberate difference from swm.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+from stable_worldmodel.data import format as _swm_format
+from stable_worldmodel.data.dataset import Dataset
+
+from .._segment import generate_name, validate_name
+from ..select import Uniform
+from . import _swm_codec as codec
+from . import _swm_table as table
+
+EPISODE_DATA_KEY = codec.EPISODE_DATA_KEY
+SCHEME = "shm://"
+Sampler = Callable[[int, Any, int, int], Any]
+
+__all__ = ["ReplayBuffer", "ShmDataset", "ShmFormat", "ShmWriter", "as_sampler"]
+
+
+def _positive(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _uniform_sampler(step: int, buffer: ReplayBuffer, batch_size: int,
+                     history_len: int) -> np.ndarray:
+    n = buffer.num_valid_ends(history_len)
+    if n == 0:
+        raise RuntimeError(
+            f"ReplayBuffer.sample: no clips of history_len={history_len} available "
+            f"(num_episodes={buffer.num_episodes}, num_steps_stored={buffer.num_steps_stored})")
+    return buffer._rng().integers(0, n, size=batch_size)
+
+
+def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: np.ndarray,
+                  history_len: int, frameskip: int, who: str) -> dict[str, np.ndarray]:
+    """Clips ``(len(ep), history_len, ...)``: observations strided, ``action`` dense."""
+    base = view.offsets[ep] + local
+    obs = base[:, None] + np.arange(history_len) * frameskip
+    act = base[:, None] + np.arange(history_len * frameskip)
+    out = {}
+    for i, col in enumerate(columns):
+        got = view.gather(f"c{i}", act if col == "action" else obs)
+        if col == "action":
+            got = got.reshape(len(ep), history_len, -1)
+        out[col] = got
+    view.confirm(ep, who)
+    return out
+
+
+class ReplayBuffer(Dataset):
+    """stable-worldmodel's ``ReplayBuffer``, in shared memory.
+
+    Same arguments, defaults and behaviour as ``stable_worldmodel.data.ReplayBuffer``:
+    an episode writer (``write_episode``, ``with``) and a swm ``Dataset`` of
+    fixed-size clips.  The segment is created by the first episode written,
+    in whichever process writes it; the buffer pickles to its name, so
+    DataLoader workers and collector processes share it.  The process that
+    constructed it removes the segment when it closes the buffer (or at
+    exit); other processes only detach.
+
+    Args:
+        max_steps: capacity in steps; the oldest episodes are evicted first.
+        history_len: steps per clip of ``__getitem__``, default of ``sample``.
+        frameskip: stride between observations of a clip; ``action`` stays
+            dense, reshaped to ``(history_len, frameskip * action_dim)``.
+        sampler: ``fn(step, buffer, batch_size, history_len) -> flat clip
+            indices`` in ``[0, num_valid_ends(history_len))``; default
+            uniform.  ``as_sampler(shmbuf.select.Recency())`` and the other
+            selectors work too.
+        transform: dict-in, dict-out function applied by ``__getitem__``.
+        key_filter: ``fn(episode) -> episode`` applied by ``write_episode``.
+
+    Raises:
+        ValueError: a size that is not positive.
+
+    Example:
+        >>> rb = ReplayBuffer(max_steps=100_000, history_len=4)
+        >>> world.collect(writer=rb, episodes=10)      # or from any process holding rb
+        >>> batch = rb.sample(64)                      # {col: (64, 4, ...)}
+    """
+
+    def __init__(self, max_steps: int, history_len: int = 1, frameskip: int = 1,
+                 sampler: Sampler | None = None, transform: Callable[[dict], dict] | None = None,
+                 key_filter: Callable[[dict], dict] | None = None) -> None:
+        self._setup(_positive("max_steps", max_steps), _positive("history_len", history_len),
+                    _positive("frameskip", frameskip), sampler, transform, key_filter,
+                    generate_name(), os.getpid())
+
+    def _setup(self, max_steps, history_len, frameskip, sampler, transform, key_filter, name,
+               creator_pid) -> None:
+        self.max_steps = max_steps
+        self.history_len = history_len
+        self.num_steps = history_len
+        self.frameskip = frameskip
+        self.span = history_len * frameskip
+        self.transform = transform
+        self.key_filter = key_filter
+        self.sampler: Sampler = sampler if sampler is not None else _uniform_sampler
+        self._creator_pid = creator_pid
+        self._sample_step = 0
+        self._generator: np.random.Generator | None = None
+        params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
+        here = creator_pid == os.getpid()
+        self._table = table.Table(name, max_steps, params, keep_created=not here)
+        # The constructing process removes the segment, whoever created it.
+        self._finalizer = weakref.finalize(self, _close_table, self._table,
+                                           creator_pid if here else None)
+
+    # -- identity and lifecycle ---------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The segment's name (it exists once the first episode is written)."""
+        return self._table.name
+
+    def close(self) -> None:
+        """Detach; in the constructing process, also remove the segment.  Idempotent."""
+        self._finalizer()
+
+    def __reduce__(self):
+        return _reopen_buffer, (self.name, self.max_steps, self.history_len, self.frameskip,
+                                self.sampler if self.sampler is not _uniform_sampler else None,
+                                self.transform, self.key_filter, self._creator_pid)
+
+    def __enter__(self) -> ReplayBuffer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def _rng(self) -> np.random.Generator:
+        """This process's generator (a forked DataLoader worker gets a fresh one)."""
+        pid = os.getpid()
+        if self._generator is None or self._generator_pid != pid:
+            self._generator = np.random.default_rng()
+            self._generator_pid = pid
+        return self._generator
+
+    # -- writing ----------------------------------------------------------------------------
+    def write_episode(self, ep_data: dict) -> None:
+        """Append one finished episode (per-step lists or ``(T, ...)`` arrays).
+
+        ``_episode_data`` carries per-episode values.  The first episode
+        fixes the columns, per-step shapes and dtypes; the episode becomes
+        visible to every process at once when it is whole.
+
+        Raises:
+            ValueError: a scalar column, columns of unequal length, an episode
+                longer than ``max_steps``, or another schema than the first
+                episode's; nothing is written.
+            TypeError: a column of Python objects, or unsupported episode data.
+        """
+        who = "ReplayBuffer.write_episode"
+        if not ep_data:
+            return
+        cols, data = codec.split_episode(ep_data)
+        if self.key_filter is not None:
+            cols = self.key_filter(cols)
+        if not cols:
+            return
+        arrays, steps = codec.coerce(cols, who)
+        if steps == 0:
+            return
+        if steps > self.max_steps:
+            raise ValueError(f"{who}: episode length {steps} exceeds max_steps={self.max_steps}")
+        self._table.write(arrays, steps, data, who)
+
+    def write_episodes(self, episodes: Iterable[dict]) -> None:
+        """``write_episode`` for each episode of the iterable."""
+        for ep in episodes:
+            self.write_episode(ep)
+
+    def clear(self) -> None:
+        """Drop every stored episode, for every process sharing the buffer."""
+        self._table.clear()
+
+    # -- what is held ---------------------------------------------------------------------
+    def _view(self) -> table.View:
+        return self._table.view("ReplayBuffer")
+
+    @property
+    def column_names(self) -> list[str]:
+        """The per-step columns (fixed by the first episode)."""
+        self._table.attached("ReplayBuffer")
+        return self._table.columns()
+
+    @property
+    def num_episodes(self) -> int:
+        return len(self._view().index)
+
+    @property
+    def num_steps_stored(self) -> int:
+        return self._view().steps
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._view().lengths.astype(np.int32)
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return self._view().offsets.copy()
+
+    def num_valid_ends(self, history_len: int | None = None) -> int:
+        """Clips of ``history_len`` steps (``frameskip`` apart) held now: the sampler's range."""
+        h = self.history_len if history_len is None else history_len
+        return int(self._view().clip_starts(h * self.frameskip)[-1])
+
+    @property
+    def episode_column_names(self) -> list[str]:
+        view = self._view()
+        seen: dict[str, None] = {}
+        for ep in range(len(view.index)):
+            seen.update(dict.fromkeys(view.episode_data(ep)))
+        return list(seen)
+
+    def get_episode_data(self, episodes_idx=None) -> dict[str, list]:
+        """Episode-scoped values, ``{name: [value per requested episode]}`` (None where absent)."""
+        view = self._view()
+        cols = self.episode_column_names
+        if not cols:
+            return {}
+        idx = (range(len(view.index)) if episodes_idx is None else
+               [int(i) for i in np.asarray(episodes_idx, np.int64).reshape(-1)])
+        metas = [view.episode_data(i) for i in idx]
+        return {k: [m.get(k) for m in metas] for k in cols}
+
+    # -- sampling ---------------------------------------------------------------------------
+    def sample(self, batch_size: int, history_len: int | None = None,
+               step: int | None = None) -> dict[str, np.ndarray]:
+        """A batch of clips drawn by the sampler: ``{col: (batch_size, history_len, ...)}``.
+
+        Raises:
+            ValueError: a size that is not positive, or a sampler result of
+                another shape than ``(batch_size,)``.
+            IndexError: a sampler index outside ``[0, num_valid_ends)``.
+            RuntimeError: no clip of that length is held (default sampler).
+        """
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        h = self.history_len if history_len is None else history_len
+        if h <= 0:
+            raise ValueError(f"history_len must be positive, got {h}")
+        if step is None:
+            step, self._sample_step = self._sample_step, self._sample_step + 1
+
+        def draw(view: table.View) -> dict[str, np.ndarray]:
+            flat = np.asarray(self.sampler(int(step), self, batch_size, h))
+            if flat.shape != (batch_size,):
+                raise ValueError(f"ReplayBuffer.sample: sampler returned shape {flat.shape}, "
+                                 f"expected ({batch_size},)")
+            if flat.size and flat.dtype.kind not in "iu":
+                raise ValueError(f"ReplayBuffer.sample: sampler returned {flat.dtype} values; "
+                                 "expected integer clip indices")
+            view = self._view()  # the sampler may have refreshed it
+            ep, local = view.to_clips(flat.astype(np.int64, copy=False), h * self.frameskip,
+                                      "ReplayBuffer")
+            return _gather_clips(view, self._table.columns(), ep, local, h, self.frameskip,
+                                 "ReplayBuffer.sample")
+
+        return table.retrying(draw, self._table, "ReplayBuffer.sample")
+
+    # -- the Dataset path -------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.num_valid_ends(self.history_len)
+
+    def __repr__(self) -> str:
+        cols = ", ".join(self.column_names) or "-"
+        return (f"ReplayBuffer(episodes={self.num_episodes}, steps={self.num_steps_stored}/"
+                f"{self.max_steps}, history_len={self.history_len}, frameskip={self.frameskip}, "
+                f"columns=[{cols}], name={self.name!r})")
+
+    def __getitem__(self, idx: int) -> dict:
+        def clip(view: table.View) -> dict:
+            n = int(view.clip_starts(self.span)[-1])
+            if n == 0:
+                raise IndexError("ReplayBuffer is empty")
+            i = int(idx) + n if idx < 0 else int(idx)
+            if not 0 <= i < n:
+                raise IndexError(idx)
+            ep, local = view.to_clips(np.array([i], np.int64), self.span, "ReplayBuffer")
+            got = _gather_clips(view, self._table.columns(), ep, local, self.history_len,
+                                self.frameskip, "ReplayBuffer")
+            return {k: v[0] for k, v in got.items()}
+
+        out = table.retrying(clip, self._table, "ReplayBuffer")
+        return self.transform(out) if self.transform is not None else out
+
+    def _load_slice(self, ep_idx: int, start: int, end: int) -> dict:
+        def read(view: table.View) -> dict:
+            if not 0 <= ep_idx < len(view.index):
+                raise IndexError(ep_idx)
+            n = int(view.lengths[ep_idx])
+            if not 0 <= start <= end <= n:
+                raise IndexError(f"slice [{start}:{end}] out of episode of length {n}")
+            pos = np.arange(start, end) + view.offsets[ep_idx]
+            out = {c: view.gather(f"c{i}", pos) for i, c in enumerate(self._table.columns())}
+            view.confirm(np.array([ep_idx]), "ReplayBuffer")
+            return out
+
+        return table.retrying(read, self._table, "ReplayBuffer")
+
+    def episodes(self) -> Iterator[dict]:
+        """The held episodes, oldest first, as ``{col: [per-step array, ...]}`` (``World.collect``'s
+        shape), with ``_episode_data`` when the episode has some."""
+        view = self._view()
+        for ep in range(len(view.index)):
+            try:
+                got = self._load_slice(ep, 0, int(view.lengths[ep]))
+                data = view.episode_data(ep)
+            except (table.TableChangedError, IndexError):
+                continue   # recycled by a writer meanwhile
+            out: dict[str, Any] = {c: list(v) for c, v in got.items()}
+            if data:
+                out[EPISODE_DATA_KEY] = dict(data)
+            yield out
+
+    def dump(self, path, format: str, mode: str = "overwrite", **kwargs: Any) -> None:
+        """Write the held episodes through the registered swm writer of ``format``."""
+        fmt = _swm_format.get_format(format)
+        episodes: Iterable[dict] = self.episodes()
+        if self.episode_column_names and not getattr(fmt, "supports_episode_data", False):
+            logging.warning("ReplayBuffer.dump: format '%s' does not support episode data; "
+                            "dropping it (columns %s).", format, self.episode_column_names)
+            episodes = ({k: v for k, v in ep.items() if k != EPISODE_DATA_KEY}
+                        for ep in episodes)
+        with fmt.open_writer(path, mode=mode, **kwargs) as writer:
+            writer.write_episodes(episodes)
+
+
+def _close_table(tab: table.Table, remove_in_pid: int | None) -> None:
+    tab.close(remove_segment=remove_in_pid == os.getpid())
+
+
+def _reopen_buffer(name, max_steps, history_len, frameskip, sampler, transform, key_filter,
+                   creator_pid) -> ReplayBuffer:
+    self = ReplayBuffer.__new__(ReplayBuffer)
+    self._setup(max_steps, history_len, frameskip, sampler, transform, key_filter, name,
+                creator_pid)
+    return self
+
+
+# -- shmbuf's selectors as swm samplers ------------------------------------------------------
+class as_sampler:  # noqa: N801  # used like a function: sampler=as_sampler(Recency())
+    """A swm ``sampler=`` that draws clips by one of ``shmbuf.select``'s regimes.
+
+    The selector draws windows of ``history_len * frameskip`` steps from the
+    buffer's shared store (``Recency``, ``AgeBuckets``, ``Prioritized``,
+    ``Mixture``, ``Uniform``), and each is returned as its flat swm clip
+    index.  Windows in episodes that are not finished yet (or that a
+    ``clear()`` hid) are drawn again.
+
+    Args:
+        select: a ``shmbuf.select`` object.
+
+    Raises:
+        TypeError: ``select`` is not one.
+
+    Example:
+        >>> from shmbuf.select import Recency
+        >>> rb = ReplayBuffer(100_000, history_len=4, sampler=as_sampler(Recency()))
+    """
+
+    def __init__(self, select) -> None:
+        if not hasattr(select, "_draw"):
+            raise TypeError(f"select must be a shmbuf.select object (Recency(), AgeBuckets(...), "
+                            f"Prioritized(), ...), got {select!r}")
+        self.select = select
+
+    def __repr__(self) -> str:
+        return f"as_sampler({self.select!r})"
+
+    def __call__(self, step: int, buffer: ReplayBuffer, batch_size: int,
+                 history_len: int) -> np.ndarray:
+        span = history_len * buffer.frameskip
+        view = buffer._view()
+        total = int(view.clip_starts(span)[-1])
+        if total == 0:
+            raise RuntimeError(
+                f"ReplayBuffer.sample: no clips of history_len={history_len} available "
+                f"(num_episodes={buffer.num_episodes}, "
+                f"num_steps_stored={buffer.num_steps_stored})")
+        store = view.buf
+        where = np.full(store.capacity, -1, np.int64)
+        where[view.rows] = np.arange(len(view.rows))
+        ep_of = np.repeat(np.arange(len(view.lengths)), view.lengths)
+        self.select._check(store)
+        out = np.empty(0, np.int64)
+        gen = buffer._rng()
+        for _ in range(64):
+            w = self.select._draw(store._finder, gen, batch_size, span, 0)
+            pos = where[w.rows[:, 0]]
+            pos = pos[pos >= 0]
+            ep = ep_of[pos]
+            local = pos - view.offsets[ep]
+            fits = local <= view.lengths[ep] - span
+            flat = view.clip_starts(span)[ep[fits]] + local[fits]
+            out = np.concatenate([out, flat])[:batch_size]
+            if len(out) == batch_size:
+                return out
+        raise RuntimeError(f"ReplayBuffer.sample: {self.select!r} kept drawing windows outside "
+                           "the finished episodes; are writers still filling the buffer?")
+
+
+# -- the shm:// format ------------------------------------------------------------------------
+def parse(path, who: str) -> str:
+    """The segment name of ``shm://NAME``.
+
+    Raises:
+        ValueError: ``path`` is not ``shm://`` plus a valid segment name.
+    """
+    s = os.fspath(path) if not isinstance(path, str) else path
+    if not isinstance(s, str) or not s.startswith(SCHEME):
+        raise ValueError(f"{who}: path must be 'shm://NAME', got {path!r}")
+    try:
+        return validate_name(s[len(SCHEME):])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{who}: {path!r}: {exc}") from None
+
+
+class ShmDataset(Dataset):
+    """A swm ``Dataset`` over a shared swm table, attached by name; pickles to the name.
+
+    Follows the HDF5 reader's output: torch tensors, ``(T, C, H, W)`` for a
+    4-D column whose last axis is 1 or 3, ``action`` dense and the other
+    columns strided by ``frameskip``, a text column as one ``str``.  The
+    episodes are those held when it was opened (pickled copies keep the same
+    ones); a read of an episode recycled since raises ``RuntimeError``.
+
+    Args:
+        name: the segment (``shm://NAME`` without the scheme).
+        frameskip, num_steps, transform: as swm's ``Dataset``.
+        keys_to_load: the columns to read (default all).
+
+    Raises:
+        SegmentNotFoundError: no segment has that name.
+        ValueError: the segment is not a stable-worldmodel buffer.
+        KeyError: an unknown column in ``keys_to_load``.
+    """
+
+    def __init__(self, name: str, frameskip: int = 1, num_steps: int = 1,
+                 transform: Callable[[dict], dict] | None = None,
+                 keys_to_load: list[str] | None = None, _episodes=None, **_ignored) -> None:
+        self._name = name
+        self._tab = table.Table(name, 1, {}, keep_created=True)
+        buf = table.attach_table(name, "load_dataset")
+        self._tab.buf = buf
+        view = self._tab.view("load_dataset")
+        if _episodes is not None:
+            keep = np.isin(view.index, np.asarray(_episodes, np.int64))
+            if keep.sum() != len(_episodes):
+                raise RuntimeError(f"shm://{name}: episodes of this dataset were recycled "
+                                   "since it was opened; open it again")
+            view = view.keep_only(keep, view.logged)
+        self._fixed = view
+        cols = self._tab.columns()
+        self._keys = list(cols) if keys_to_load is None else list(keys_to_load)
+        for k in self._keys:
+            if k not in cols:
+                raise KeyError(f"keys_to_load: {k!r} is not a column of shm://{name}; its "
+                               f"columns are {cols}")
+        self._store_col = {c: f"c{i}" for i, c in enumerate(cols)}
+        self._cache: dict[str, np.ndarray] = {}
+        self._kwargs = {"frameskip": frameskip, "num_steps": num_steps, "transform": transform,
+                        "keys_to_load": keys_to_load}
+        self.lengths = view.lengths.copy()
+        self.offsets = view.offsets.copy()
+        self.frameskip = frameskip
+        self.num_steps = num_steps
+        self.span = num_steps * frameskip
+        self.transform = transform
+
+    def __reduce__(self):
+        return _reopen_dataset, (self._name, self._kwargs, self._fixed.index.copy())
+
+    @property
+    def clip_indices(self) -> list[tuple[int, int]]:
+        """swm's ``(episode, start)`` list of every clip (built on request)."""
+        return [(ep, s) for ep, n in enumerate(self.lengths.tolist())
+                for s in range(max(0, n - self.span + 1))]
+
+    @property
+    def column_names(self) -> list[str]:
+        return self._keys
+
+    @property
+    def episode_column_names(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for ep in range(len(self.lengths)):
+            seen.update(dict.fromkeys(self._data(ep)))
+        return list(seen)
+
+    def get_episode_data(self, episodes_idx=None) -> dict[str, list]:
+        cols = self.episode_column_names
+        if not cols:
+            return {}
+        idx = (range(len(self.lengths)) if episodes_idx is None else
+               [int(i) for i in np.asarray(episodes_idx, np.int64).reshape(-1)])
+        metas = [self._data(i) for i in idx]
+        return {k: [m.get(k) for m in metas] for k in cols}
+
+    def _data(self, ep: int) -> dict:
+        try:
+            return self._fixed.episode_data(ep)
+        except table.TableChangedError:
+            raise self._recycled() from None
+
+    def _recycled(self) -> RuntimeError:
+        return RuntimeError(f"shm://{self._name}: episodes of this dataset were recycled by a "
+                            "writer since it was opened; open it again")
+
+    def __len__(self) -> int:
+        return int(self._fixed.clip_starts(self.span)[-1])
+
+    def __getitem__(self, idx: int) -> dict:
+        ep, start = self._fixed.to_clips(np.array([int(idx)], np.int64), self.span,
+                                         "ShmDataset")
+        steps = self._load_slice(int(ep[0]), int(start[0]), int(start[0]) + self.span)
+        if "action" in steps:
+            steps["action"] = steps["action"].reshape(self.num_steps, -1)
+        return steps
+
+    def _read(self, col: str, pos: np.ndarray, eps: np.ndarray) -> np.ndarray:
+        if col in self._cache:
+            return self._cache[col][pos]
+        got = self._fixed.gather(self._store_col[col], pos)
+        try:
+            self._fixed.confirm(eps, "ShmDataset")
+        except table.TableChangedError:
+            raise self._recycled() from None
+        return got
+
+    def _load_slice(self, ep_idx: int, start: int, end: int) -> dict:
+        import torch
+
+        pos = np.arange(start, end) + self.offsets[ep_idx]
+        eps = np.array([ep_idx])
+        steps: dict[str, Any] = {}
+        for col in self._keys:
+            data = self._read(col, pos if col == "action" else pos[::self.frameskip], eps)
+            if codec.is_text(data.dtype):
+                val = data[0] if len(data) else ""
+                steps[col] = val.decode() if isinstance(val, bytes) else str(val)
+                continue
+            t = torch.from_numpy(data)
+            steps[col] = t.permute(0, 3, 1, 2) if data.ndim == 4 and data.shape[-1] in (1, 3) else t
+        return self.transform(steps) if self.transform else steps
+
+    def get_col_data(self, col: str) -> np.ndarray:
+        if col in self._cache:
+            return self._cache[col]
+        return self._read(col, np.arange(len(self._fixed.rows)),
+                          np.arange(len(self.lengths)))
+
+    def get_row_data(self, row_idx) -> dict:
+        pos = np.asarray(row_idx, np.int64)
+        eps = np.searchsorted(self.offsets, pos.reshape(-1), side="right") - 1
+        return {col: self._read(col, pos, eps) for col in self._keys}
+
+    def merge_col(self, source, target: str, dim: int = -1) -> None:
+        import re
+
+        if isinstance(source, str):
+            source = [k for k in self._store_col if re.match(source, k)]
+        self._cache[target] = np.concatenate([self.get_col_data(s) for s in source], axis=dim)
+        if target not in self._keys:
+            self._keys.append(target)
+
+    def get_dim(self, col: str) -> int:
+        shape = self.get_col_data(col).shape
+        return int(np.prod(shape[1:])) if len(shape) > 1 else 1
+
+    def close(self) -> None:
+        """Detach from the segment (it stays, see docs/swm.md)."""
+        self._tab.close(remove_segment=False)
+
+
+def _reopen_dataset(name: str, kwargs: dict, episodes) -> ShmDataset:
+    return ShmDataset(name, _episodes=episodes, **kwargs)
+
+
+class ShmWriter:
+    """swm's ``Writer`` into a shared table ``shm://NAME`` that outlives the writer.
+
+    ``mode`` is applied at the first ``with``: ``"append"`` extends an
+    existing table (or makes one), ``"overwrite"`` removes an existing one
+    first, ``"error"`` raises ``FileExistsError`` if it exists.  Later
+    ``with`` blocks on the same writer append (it is re-entrant, so repeated
+    ``World.collect(writer=w)`` calls add up).  A table this writer creates
+    is kept when the writer closes: see docs/swm.md for how it is removed.
+
+    Args:
+        path: ``"shm://NAME"``.
+        mode: ``"append"`` (default), ``"overwrite"`` or ``"error"``.
+        max_steps: capacity of a table it creates (default 1,000,000 steps);
+            the oldest episodes are evicted first.
+
+    Raises:
+        ValueError: a bad path or mode, or a name that is not a swm table.
+    """
+
+    def __init__(self, path, *, mode: str = "append", max_steps: int = 1_000_000) -> None:
+        _swm_format.validate_write_mode(mode)
+        self.name = parse(path, "ShmWriter")
+        self.mode = mode
+        self.max_steps = _positive("max_steps", max_steps)
+        self._depth = 0
+        self._started = False
+        self._tab: table.Table | None = None
+
+    def __enter__(self) -> ShmWriter:
+        if not self._started:
+            self._apply_mode()
+            self._started = True
+        if self._tab is None:
+            self._tab = table.Table(self.name, self.max_steps, {"max_steps": self.max_steps},
+                                    keep_created=True)
+        self._depth += 1
+        return self
+
+    def _apply_mode(self) -> None:
+        if not table.exists(self.name):
+            return
+        if self.mode == "error":
+            raise FileExistsError(f"ShmWriter: 'shm://{self.name}' already exists. Pass "
+                                  "mode='overwrite' to replace it or mode='append' to extend it.")
+        table.attach_table(self.name, "ShmWriter").close()   # a swm table, or refuse
+        if self.mode == "overwrite":
+            table.remove(self.name)
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0 and self._tab is not None:
+            self._tab.close(remove_segment=False)
+            self._tab = None
+
+    def write_episode(self, ep_data: dict) -> None:
+        """Append one episode (``World.collect``'s per-step lists, or arrays).
+
+        Raises:
+            RuntimeError: outside a ``with`` block.
+            ValueError / TypeError: as ``ReplayBuffer.write_episode``
+                (schema drift included); nothing is written.
+        """
+        who = "ShmWriter.write_episode"
+        if self._tab is None:
+            raise RuntimeError("ShmWriter used outside of a `with` block")
+        cols, data = codec.split_episode(ep_data)
+        arrays, steps = codec.coerce(cols, who)
+        if steps == 0:
+            return
+        if steps > self._tab.capacity:
+            raise ValueError(f"{who}: episode length {steps} exceeds max_steps="
+                             f"{self._tab.capacity}")
+        self._tab.write(arrays, steps, data, who)
+
+    def write_episodes(self, episodes: Iterable[dict]) -> None:
+        for ep in episodes:
+            self.write_episode(ep)
+
+
+class ShmFormat(_swm_format.Format):
+    """swm format ``"shmbuf"``: tables in shared memory, named ``shm://NAME``.
+
+    ``detect`` claims only ``shm://`` paths; ``open_reader`` returns a
+    ``ShmDataset``, ``open_writer`` a ``ShmWriter``.
+
+    Example:
+        >>> import shmbuf.compat.swm  # registers the format
+        >>> from stable_worldmodel.data import convert, load_dataset
+        >>> convert("pusht.h5", "shm://pusht", dest_format="shmbuf")
+        >>> ds = load_dataset("shm://pusht", num_steps=4, frameskip=5)
+    """
+
+    name = "shmbuf"
+    supports_episode_data = True
+
+    @classmethod
+    def detect(cls, path) -> bool:
+        return isinstance(path, str) and path.startswith(SCHEME)
+
+    @classmethod
+    def open_reader(cls, path, **kwargs) -> ShmDataset:
+        return ShmDataset(parse(path, "ShmFormat.open_reader"), **kwargs)
+
+    @classmethod
+    def open_writer(cls, path, **kwargs) -> ShmWriter:
+        return ShmWriter(path, **kwargs)
+
+
+if ShmFormat.name not in _swm_format.FORMATS:
+    _swm_format.register_format(ShmFormat)
+_ = Uniform  # the default selector type, re-exported for as_sampler users
