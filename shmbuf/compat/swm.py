@@ -28,7 +28,6 @@ from stable_worldmodel.data import format as _swm_format
 from stable_worldmodel.data.dataset import Dataset
 
 from .._segment import generate_name, validate_name
-from ..select import Uniform
 from . import _swm_codec as codec
 from . import _swm_table as table
 
@@ -69,8 +68,9 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
         if col == "action":
             got = got.reshape(len(ep), history_len, -1)
         out[col] = got
+    ids = view.buf._ring.prio().ids(view.rows[act])   # read with the rows, checked with them
     view.confirm(ep, who)
-    return out
+    return out, ids
 
 
 class ReplayBuffer(Dataset):
@@ -124,6 +124,7 @@ class ReplayBuffer(Dataset):
         self.sampler: Sampler = sampler if sampler is not None else _uniform_sampler
         self._creator_pid = creator_pid
         self._sample_step = 0
+        self.last_ids: np.ndarray | None = None   # step ids of the last sample (update_priorities)
         self._generator: np.random.Generator | None = None
         params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
         here = creator_pid == os.getpid()
@@ -279,10 +280,46 @@ class ReplayBuffer(Dataset):
             view = self._view()  # the sampler may have refreshed it
             ep, local = view.to_clips(flat.astype(np.int64, copy=False), h * self.frameskip,
                                       "ReplayBuffer")
-            return _gather_clips(view, self._table.columns(), ep, local, h, self.frameskip,
-                                 "ReplayBuffer.sample")
+            got, self.last_ids = _gather_clips(view, self._table.columns(), ep, local, h,
+                                               self.frameskip, "ReplayBuffer.sample")
+            return got
 
         return table.retrying(draw, self._table, "ReplayBuffer.sample")
+
+    def update_priorities(self, ids, priorities) -> int:
+        """Set the priority of sampled clips, from any process sharing the buffer.
+
+        ``as_sampler(Prioritized(...))`` then draws by them.  Every step of a
+        clip gets its clip's priority (where clips overlap, the last one wins).
+
+        Args:
+            ids: ``last_ids`` of a ``sample`` call: ``(batch, history_len *
+                frameskip)`` int64 step ids, which name their steps while the
+                buffer holds them (and never another step).
+            priorities: ``(batch,)`` floats, finite and >= 0 (numpy or torch).
+
+        Returns:
+            How many steps were still held (and updated).
+
+        Raises:
+            ValueError / TypeError: shapes that do not match, or bad values
+                (``shmbuf.Buffer.update_priorities``); nothing is written.
+
+        Example:
+            >>> batch = rb.sample(64)
+            >>> rb.update_priorities(rb.last_ids, loss_per_clip)
+        """
+        from ._base import to_numpy
+
+        ids = np.asarray(to_numpy(ids))
+        values = np.asarray(to_numpy(priorities))
+        if ids.ndim != 2 or values.shape != ids.shape[:1]:
+            raise ValueError(f"update_priorities: ids must be (batch, steps) as last_ids and "
+                             f"priorities (batch,), got {ids.shape} and {values.shape}")
+        buf = self._table.attached("ReplayBuffer.update_priorities")
+        if buf is None:
+            raise ValueError("update_priorities: the buffer holds no episode yet")
+        return buf.update_priorities(ids, np.broadcast_to(values[:, None], ids.shape))
 
     # -- the Dataset path -------------------------------------------------------------------
     def __len__(self) -> int:
@@ -303,8 +340,8 @@ class ReplayBuffer(Dataset):
             if not 0 <= i < n:
                 raise IndexError(idx)
             ep, local = view.to_clips(np.array([i], np.int64), self.span, "ReplayBuffer")
-            got = _gather_clips(view, self._table.columns(), ep, local, self.history_len,
-                                self.frameskip, "ReplayBuffer")
+            got, _ = _gather_clips(view, self._table.columns(), ep, local, self.history_len,
+                                   self.frameskip, "ReplayBuffer")
             return {k: v[0] for k, v in got.items()}
 
         out = table.retrying(clip, self._table, "ReplayBuffer")
@@ -714,4 +751,3 @@ class ShmFormat(_swm_format.Format):
 
 if ShmFormat.name not in _swm_format.FORMATS:
     _swm_format.register_format(ShmFormat)
-_ = Uniform  # the default selector type, re-exported for as_sampler users

@@ -1,0 +1,400 @@
+"""shmbuf.compat.swm.ReplayBuffer: stable-worldmodel's contract, and sharing it across processes."""
+import multiprocessing as mp
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+swm_data = pytest.importorskip("stable_worldmodel.data")
+
+import torch  # noqa: E402
+
+from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler  # noqa: E402
+from shmbuf.select import AgeBuckets, Prioritized, Recency  # noqa: E402
+from helpers.swm_workers import rb_len, tagged_episode, write_tagged  # noqa: E402
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture
+def make():
+    """ReplayBuffer(...) closed (so removed) at teardown."""
+    made = []
+
+    def build(*args, **kw):
+        rb = ReplayBuffer(*args, **kw)
+        made.append(rb)
+        return rb
+
+    yield build
+    for rb in made:
+        rb.close()
+
+
+def episode(n, seed=0, pixels=True):
+    rng = np.random.default_rng(seed)
+    ep = {"action": rng.standard_normal((n, 2)).astype(np.float32),
+          "reward": rng.standard_normal(n).astype(np.float32)}
+    if pixels:
+        ep["pixels"] = rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)
+    return ep
+
+
+def held_steps(rb) -> int:
+    """Steps in the shared store (finished or not): what 'nothing written' checks."""
+    buf = rb._table.attached("test")
+    return 0 if buf is None else buf.stats().steps_written
+
+
+# -- swm's contract -----------------------------------------------------------------------
+def test_is_a_swm_dataset_and_starts_empty(make):
+    from stable_worldmodel.data.dataset import Dataset
+
+    rb = make(max_steps=10, history_len=2)
+    assert isinstance(rb, Dataset)
+    assert (len(rb), rb.num_episodes, rb.num_steps_stored, rb.column_names) == (0, 0, 0, [])
+    assert rb.lengths.shape == (0,) and rb.offsets.shape == (0,)
+    assert not os.path.exists(os.path.join(SHM, rb.name))   # made by the first episode
+
+
+@pytest.mark.parametrize("kw", [{"max_steps": 0}, {"max_steps": 10, "history_len": 0},
+                                {"max_steps": 10, "frameskip": -1}])
+def test_sizes_must_be_positive(kw):
+    with pytest.raises(ValueError, match="must be positive"):
+        ReplayBuffer(**kw)
+
+
+def test_per_step_lists_and_arrays_read_back_exactly(make):
+    rb = make(max_steps=100, history_len=3)
+    first = episode(6, seed=1)
+    rb.write_episode(first)
+    second = {k: list(v) for k, v in episode(5, seed=2).items()}   # World.collect's shape
+    rb.write_episode(second)
+    assert rb.column_names == ["action", "reward", "pixels"]
+    np.testing.assert_array_equal(rb.lengths, [6, 5])
+    assert rb.lengths.dtype == np.int32 and rb.offsets.dtype == np.int64
+    np.testing.assert_array_equal(rb.offsets, [0, 6])
+    assert len(rb) == rb.num_valid_ends() == (6 - 2) + (5 - 2)
+    eps = list(rb.episodes())
+    for got, want in zip(eps, [first, second]):
+        for k in want:
+            assert isinstance(got[k], list)
+            np.testing.assert_array_equal(np.stack(got[k]), np.asarray(want[k]))
+    last = rb[-1]
+    np.testing.assert_array_equal(last["pixels"], np.asarray(second["pixels"])[2:5])
+
+
+def test_frameskip_strides_observations_and_keeps_action_dense(make):
+    rb = make(max_steps=100, history_len=3, frameskip=2)
+    ep = episode(10)
+    rb.write_episode(ep)
+    assert len(rb) == 10 - 6 + 1
+    item = rb[1]
+    np.testing.assert_array_equal(item["pixels"], ep["pixels"][[1, 3, 5]])
+    np.testing.assert_array_equal(item["reward"], ep["reward"][[1, 3, 5]])
+    np.testing.assert_array_equal(item["action"], ep["action"][1:7].reshape(3, 4))
+    batch = rb.sample(4)
+    assert batch["pixels"].shape == (4, 3, 8, 8, 3) and batch["action"].shape == (4, 3, 4)
+
+
+def test_transform_applies_to_items_not_to_sample(make):
+    rb = make(max_steps=50, history_len=2,
+              transform=lambda clip: {k: torch.as_tensor(v) for k, v in clip.items()})
+    rb.write_episode(episode(5))
+    assert all(isinstance(v, torch.Tensor) for v in rb[0].values())
+    assert all(isinstance(v, np.ndarray) for v in rb.sample(2).values())
+
+
+def test_whole_oldest_episodes_are_evicted_first(make):
+    rb = make(max_steps=50)
+    eps = [episode(30, 0), episode(15, 1), episode(20, 2)]
+    for ep in eps:
+        rb.write_episode(ep)
+    assert (rb.num_episodes, rb.num_steps_stored) == (2, 35)
+    np.testing.assert_array_equal(rb[0]["pixels"][0], eps[1]["pixels"][0])
+    np.testing.assert_array_equal(rb[len(rb) - 1]["pixels"][0], eps[2]["pixels"][-1])
+
+
+def test_flat_clip_order_is_oldest_episode_first(make):
+    rb = make(max_steps=200, history_len=4)
+    eps = [episode(n, seed=n) for n in (6, 9, 5)]
+    for ep in eps:
+        rb.write_episode(ep)
+    expect = [(e, s) for e, ep in enumerate(eps) for s in range(len(ep["reward"]) - 3)]
+    assert len(rb) == len(expect)
+    for i, (e, s) in enumerate(expect):
+        np.testing.assert_array_equal(rb[i]["reward"], eps[e]["reward"][s:s + 4])
+
+
+# -- bad input: a clear error and nothing written --------------------------------------
+def _bad_episodes():
+    ok = episode(4)
+    extra = dict(ok, extra=np.zeros((4, 2), np.float32))
+    missing = {k: v for k, v in ok.items() if k != "reward"}
+    shape = dict(ok, action=np.zeros((4, 3), np.float32))
+    lossy = dict(ok, reward=np.zeros(4, np.float64))
+    ragged = dict(ok, reward=np.zeros(3, np.float32))
+    return [
+        ({"action": 42}, ValueError, "scalar"),
+        (ragged, ValueError, "has length 3, expected 4"),
+        (episode(30), ValueError, "exceeds max_steps=20"),
+        (extra, ValueError, r"schema mismatch.*extra=\['extra'\]"),
+        (missing, ValueError, r"schema mismatch.*missing=\['reward'\]"),
+        (shape, ValueError, r"'action' per-step shape \(3,\) mismatches expected \(2,\)"),
+        (lossy, ValueError, "'reward' has dtype float64"),
+        (dict(ok, note=np.array([object()] * 4)), TypeError, "Python objects"),
+        (dict(ok, **{EPISODE_DATA_KEY: {"f": lambda: 0}}), TypeError, "episode data holds"),
+    ]
+
+
+@pytest.mark.parametrize("bad, exc, match", _bad_episodes())
+def test_bad_episode_is_refused_and_nothing_is_written(make, bad, exc, match):
+    rb = make(max_steps=20)
+    rb.write_episode(episode(4))
+    before = held_steps(rb)
+    with pytest.raises(exc, match=match):
+        rb.write_episode(bad)
+    assert held_steps(rb) == before and rb.num_episodes == 1
+
+
+def test_empty_and_zero_length_episodes_are_ignored(make):
+    rb = make(max_steps=10)
+    rb.write_episode({})
+    rb.write_episode({"action": np.zeros((0, 2), np.float32)})
+    assert rb.num_episodes == 0 and not os.path.exists(os.path.join(SHM, rb.name))
+
+
+def test_text_columns_round_trip_and_a_longer_text_is_refused(make):
+    rb = make(max_steps=100)
+    rb.write_episode({"action": np.zeros((3, 2), np.float32), "lang": ["push the T"] * 3})
+    rb.write_episode({"action": np.zeros((2, 2), np.float32), "lang": ["go", "stop"]})
+    assert [list(ep["lang"]) for ep in rb.episodes()] == [["push the T"] * 3, ["go", "stop"]]
+    before = held_steps(rb)
+    with pytest.raises(ValueError, match="'lang' has a value of 70 characters; it holds at most 64"):
+        rb.write_episode({"action": np.zeros((1, 2), np.float32), "lang": ["x" * 70]})
+    assert held_steps(rb) == before
+
+
+# -- sampling ---------------------------------------------------------------------------
+def test_sample_shapes_errors_and_the_step_counter(make):
+    rb = make(max_steps=200, history_len=4)
+    with pytest.raises(RuntimeError, match="no clips of history_len=4"):
+        rb.sample(2)
+    for s in range(3):
+        rb.write_episode(episode(20, seed=s))
+    out = rb.sample(8, history_len=5)
+    assert {k: v.shape for k, v in out.items()} == {
+        "action": (8, 5, 2), "reward": (8, 5), "pixels": (8, 5, 8, 8, 3)}
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="batch_size must be positive"):
+            rb.sample(bad)
+        with pytest.raises(ValueError, match="history_len must be positive"):
+            rb.sample(2, history_len=bad)
+    seen = []
+
+    def sampler(step, buffer, batch_size, history_len):
+        seen.append((step, buffer is rb, history_len))
+        return np.zeros(batch_size, np.int64)
+
+    rb.sampler = sampler
+    rb.sample(2)
+    rb.sample(2, step=42)
+    rb.sample(2, history_len=3)
+    assert seen == [(2, True, 4), (42, True, 4), (3, True, 3)]   # steps 0, 1: the samples above
+
+
+@pytest.mark.parametrize("result, exc, match", [
+    (lambda b: np.zeros(b + 1, np.int64), ValueError, "returned shape"),
+    (lambda b: np.zeros((b, 1), np.int64), ValueError, "returned shape"),
+    (lambda b: np.full(b, 10**9, np.int64), IndexError, r"out of range \[0, 68\)"),
+    (lambda b: np.full(b, -1, np.int64), IndexError, "out of range"),
+    (lambda b: np.zeros(b, np.float32), ValueError, "integer clip indices"),
+])
+def test_a_bad_sampler_result_is_a_clear_error(make, result, exc, match):
+    rb = make(max_steps=200, history_len=4, sampler=lambda s, buf, b, h: result(b))
+    for s in range(4):
+        rb.write_episode(episode(20, seed=s))
+    with pytest.raises(exc, match=match):
+        rb.sample(4)
+
+
+def test_recency_sampler_prefers_the_newest_steps(make):
+    rb = make(max_steps=400, history_len=2, sampler=as_sampler(Recency(exponent=8.0)))
+    for s in range(10):
+        rb.write_episode(episode(20, seed=s, pixels=False))
+    flat = np.concatenate([rb.sampler(0, rb, 64, 2) for _ in range(4)])
+    assert flat.min() >= 0 and flat.max() < rb.num_valid_ends(2)
+    newest = rb.num_valid_ends(2) - 19                          # the last episode's clips
+    assert (flat >= newest).mean() > 0.9
+
+
+def test_age_buckets_sampler_draws_only_the_weighted_group(make):
+    rb = make(max_steps=400, history_len=2, sampler=as_sampler(AgeBuckets([0, 0, 0, 1])))
+    for s in range(8):
+        rb.write_episode(episode(10, seed=s, pixels=False))
+    flat = rb.sampler(0, rb, 128, 2)
+    per_episode = 9
+    assert (flat // per_episode >= 6).all()                      # the newest quarter: 6, 7
+
+
+def test_prioritized_sampler_follows_priorities_pushed_from_another_process(make):
+    rb = make(max_steps=400, history_len=2, sampler=as_sampler(Prioritized(exponent=1.0,
+                                                                           maxfrac=0.0)))
+    for s in range(5):
+        rb.write_episode(episode(10, seed=s, pixels=False))
+    # Every step gets priority 0 except the clips of episode 3, which get 1.
+    everything = rb._view().rows
+    ids = rb._table.buf._ring.prio().ids(everything)
+    rb._table.buf.update_priorities(ids, np.zeros(len(ids), np.float32))
+    other = pickle.loads(pickle.dumps(rb))
+    target = np.arange(27, 36)                                  # episode 3's flat clips
+    rb.sampler = lambda s, b, n, h: np.repeat(target, 2)[:n]
+    rb.sample(18)
+    other.update_priorities(rb.last_ids, np.ones(18, np.float32))
+    rb.sampler = as_sampler(Prioritized(exponent=1.0, maxfrac=0.0))
+    flat = rb.sampler(0, rb, 64, 2)
+    assert np.isin(flat, target).all()
+    other.close()
+
+
+# -- episode data -------------------------------------------------------------------------
+def test_episode_data_is_kept_evicted_and_cleared_with_its_episode(make):
+    rb = make(max_steps=12)
+    for tag in range(3):
+        ep = episode(4, seed=tag)
+        ep[EPISODE_DATA_KEY] = {"xml": f"<scene {tag}/>", "idx": tag, "arr": np.arange(3) * tag,
+                                "blob": b"\x00\xff"}
+        rb.write_episode(ep)
+    rb.write_episode(episode(4, seed=9))                        # evicts episode 0
+    assert rb.episode_column_names == ["xml", "idx", "arr", "blob"]
+    data = rb.get_episode_data()
+    assert data["idx"] == [1, 2, None] and data["xml"][0] == "<scene 1/>"
+    np.testing.assert_array_equal(data["arr"][1], [0, 2, 4])
+    assert data["blob"][0] == b"\x00\xff"
+    assert rb.get_episode_data([2, 0])["idx"] == [None, 1]
+    eps = list(rb.episodes())
+    assert eps[0][EPISODE_DATA_KEY]["idx"] == 1 and EPISODE_DATA_KEY not in eps[2]
+    assert EPISODE_DATA_KEY not in rb.column_names
+    rb.clear()
+    assert (rb.num_episodes, rb.episode_column_names, rb.get_episode_data()) == (0, [], {})
+
+
+def test_episode_data_too_large_for_the_episode_is_refused(make):
+    rb = make(max_steps=100)
+    ep = episode(4)
+    ep[EPISODE_DATA_KEY] = {"xml": "x"}
+    rb.write_episode(ep)
+    before = held_steps(rb)
+    big = episode(2)
+    big[EPISODE_DATA_KEY] = {"xml": "x" * 500}
+    with pytest.raises(ValueError, match="holds at most 32"):
+        rb.write_episode(big)
+    assert held_steps(rb) == before
+
+
+# -- sharing -----------------------------------------------------------------------------
+def test_clear_and_writes_are_seen_through_a_pickled_copy(make):
+    rb = make(max_steps=100, history_len=2)
+    rb.write_episode(episode(5))
+    other = pickle.loads(pickle.dumps(rb))
+    assert len(pickle.dumps(rb)) < 1000
+    assert other.name == rb.name and other.num_episodes == 1
+    other.write_episode(episode(6, seed=1))
+    assert rb.num_episodes == 2
+    rb.clear()
+    assert other.num_episodes == 0 and len(other) == 0
+    other.write_episode(episode(3, seed=2))
+    assert rb.lengths.tolist() == [3]
+    other.close()
+    assert rb.num_episodes == 1                  # only the constructing process removes it
+
+
+@pytest.mark.slow
+def test_dataloader_workers_read_the_same_memory(make):
+    rb = make(max_steps=400, history_len=2)
+    eps = [episode(10, seed=s) for s in range(3)]
+    for ep in eps:
+        rb.write_episode(ep)
+    loader = torch.utils.data.DataLoader(rb, batch_size=6, num_workers=2, timeout=60)
+    got = torch.cat([b["reward"] for b in loader])
+    want = torch.stack([torch.as_tensor(rb[i]["reward"]) for i in range(len(rb))])
+    assert torch.equal(got, want)
+    # Spawned workers (the buffer pickled to its name) started before these writes see
+    # them: they read the same memory, not a copy.
+    lens = torch.utils.data.DataLoader(_Lens(rb), batch_size=None, num_workers=2,
+                                       persistent_workers=True, timeout=60,
+                                       multiprocessing_context="spawn")
+    it = iter(lens)
+    assert next(it)[1] == len(rb)
+    for s in range(3):
+        rb.write_episode(episode(10, seed=10 + s))
+    # Items already prefetched carry the old length; every worker then reports the new one.
+    updated = set()
+    for worker, n in it:
+        if int(n) == len(rb):
+            updated.add(int(worker))
+        if updated == {0, 1}:
+            break
+    assert updated == {0, 1}
+    del it
+
+
+class _Lens(torch.utils.data.IterableDataset):
+    """Endless (worker id, len(rb)) pairs: 200 per worker at most."""
+
+    def __init__(self, rb):
+        self.rb = rb
+
+    def __iter__(self):
+        worker = torch.utils.data.get_worker_info().id
+        for _ in range(200):
+            yield worker, rb_len(self.rb)
+
+
+@pytest.mark.slow
+def test_several_collector_processes_write_whole_episodes(make):
+    rb = make(max_steps=10_000, history_len=3)
+    ctx = mp.get_context("fork")   # spawned children (pickled by name) are tested below
+    procs = [ctx.Process(target=write_tagged, args=(rb, w, 6, 25)) for w in range(3)]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=120)
+        assert [p.exitcode for p in procs] == [0, 0, 0]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    assert rb.num_episodes == 18 and rb.num_steps_stored == 18 * 25
+    seen = set()
+    for ep in rb.episodes():
+        who, e = int(ep["who"][0]), int(ep["ep"][0])
+        want = tagged_episode(who, e, 25)
+        for k in want:
+            np.testing.assert_array_equal(np.stack(ep[k]), want[k])
+        seen.add((who, e))
+    assert seen == {(w, e) for w in range(3) for e in range(6)}
+    per_writer = {w: [e for who, e in
+                      ((int(x["who"][0]), int(x["ep"][0])) for x in rb.episodes()) if who == w]
+                  for w in range(3)}
+    assert all(v == sorted(v) for v in per_writer.values())   # each writer's order is kept
+
+
+@pytest.mark.slow
+def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it():
+    rb = ReplayBuffer(max_steps=1000)
+    try:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=write_tagged, args=(rb, 1, 2, 10))
+        p.start()
+        p.join(timeout=120)
+        assert p.exitcode == 0
+        assert rb.num_episodes == 2                # the child exited; the data stayed
+        assert os.path.exists(os.path.join(SHM, rb.name))
+    finally:
+        rb.close()
+    assert not os.path.exists(os.path.join(SHM, rb.name))
+    rb.close()                                     # idempotent
