@@ -123,7 +123,10 @@ class Table:
         spec.update(done=((), np.bool_), mark=((), np.uint8), epd=((width,), np.uint8))
         meta = {"facade": FACADE, "params": self.params, "columns": list(cols)}
         try:
+            # overcommit: like swm's np.empty rings (and a file on tmpfs), the table takes
+            # memory as it fills; a full /dev/shm is SharedMemoryFullError at that write.
             buf = store.create(spec, self.capacity, name=self.name, meta=meta, priorities=True,
+                               overcommit=True,
                                handle_signals=None if not self.keep_created else False)
         except SegmentExistsError:
             return self.attached(who)
