@@ -43,13 +43,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from stable_worldmodel.data import ReplayBuffer as SwmReplayBuffer
+from stable_worldmodel.data import load_dataset
+from stable_worldmodel.data.format import get_format
 
 import shmbuf
 import shmbuf.compat.swm as cs
 from shmbuf.compat import _swm_table
-from stable_worldmodel.data import ReplayBuffer as SwmReplayBuffer
-from stable_worldmodel.data import load_dataset
-from stable_worldmodel.data.format import get_format
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "bench_swm.json"

@@ -16,6 +16,7 @@ that imports (swm's ``World`` imports it).
 import argparse
 import multiprocessing as mp
 import time
+from typing import ClassVar
 
 import gymnasium as gym
 import numpy as np
@@ -27,7 +28,7 @@ ENV_ID = "shmbuf_example/Reach-v0"
 class Reach(gym.Env):
     """A dot pushed towards the centre by 2-D actions; frames drawn with numpy."""
 
-    metadata = {"render_modes": ["rgb_array"]}
+    metadata: ClassVar[dict] = {"render_modes": ["rgb_array"]}
 
     def __init__(self, render_mode=None, size=32):
         self.render_mode, self.size = render_mode, size
@@ -141,8 +142,8 @@ def main():
             time.sleep(0.05)
         seen_at_start = rb.num_episodes
         n, shapes, first, last = trainer(rb, args.batches, args.batch_size)
-        print("sample(%d): %s" % (args.batch_size, ", ".join(
-            f"{k} {s} {d}" for k, (s, d) in sorted(shapes.items()))))
+        described = ", ".join(f"{k} {s} {d}" for k, (s, d) in sorted(shapes.items()))
+        print(f"sample({args.batch_size}): {described}")
         print(f"trained {n} batches while collecting ({seen_at_start} episodes held at the "
               f"first batch); loss {first:.3f} -> {last:.3f}")
         for p in procs:

@@ -8,11 +8,11 @@ import pytest
 
 swm_data = pytest.importorskip("stable_worldmodel.data")
 
-import torch  # noqa: E402
+import torch
+from helpers.swm_workers import rb_len, tagged_episode, write_tagged
 
-from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler  # noqa: E402
-from shmbuf.select import AgeBuckets, Prioritized, Recency  # noqa: E402
-from helpers.swm_workers import rb_len, tagged_episode, write_tagged  # noqa: E402
+from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler
+from shmbuf.select import AgeBuckets, Prioritized, Recency
 
 SHM = "/dev/shm"
 

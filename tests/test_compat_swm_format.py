@@ -9,16 +9,21 @@ import pytest
 swm_data = pytest.importorskip("stable_worldmodel.data")
 h5py = pytest.importorskip("h5py")
 
-import torch  # noqa: E402
-from stable_worldmodel.data import convert, load_dataset  # noqa: E402
-from stable_worldmodel.data.format import FORMATS, detect_format, get_format  # noqa: E402
+import torch
+from helpers.swm_envs import make_world, world_class
+from helpers.swm_workers import tagged_episode, write_shm_dataset
+from stable_worldmodel.data import convert, load_dataset
+from stable_worldmodel.data.format import FORMATS, detect_format, get_format
 
-import shmbuf  # noqa: E402
-from shmbuf import cli  # noqa: E402
-from shmbuf.compat.swm import (EPISODE_DATA_KEY, ReplayBuffer, ShmDataset,  # noqa: E402
-                               ShmFormat, ShmWriter)
-from helpers.swm_envs import make_world, world_class  # noqa: E402
-from helpers.swm_workers import tagged_episode, write_shm_dataset  # noqa: E402
+import shmbuf
+from shmbuf import cli
+from shmbuf.compat.swm import (
+    EPISODE_DATA_KEY,
+    ReplayBuffer,
+    ShmDataset,
+    ShmFormat,
+    ShmWriter,
+)
 
 SHM = "/dev/shm"
 
@@ -101,9 +106,9 @@ def test_a_missing_name_and_a_foreign_segment_are_clear_errors(shm_name):
         with pytest.raises(ValueError, match="is not a stable-worldmodel buffer"):
             load_dataset(f"shm://{name}")
         for mode in ("append", "overwrite"):
-            with pytest.raises(ValueError, match="is not a stable-worldmodel buffer"):
-                with ShmFormat.open_writer(f"shm://{name}", mode=mode) as w:
-                    w.write_episode(tagged_episode(0, 0, 3))
+            with pytest.raises(ValueError, match="is not a stable-worldmodel buffer"), \
+                    ShmFormat.open_writer(f"shm://{name}", mode=mode) as w:
+                w.write_episode(tagged_episode(0, 0, 3))
         assert buf.stats().steps_written == before and os.path.exists(os.path.join(SHM, name))
 
 
@@ -123,9 +128,9 @@ def test_modes_append_overwrite_error(shm_name):
     with ShmFormat.open_writer(path) as w:                      # append is the default
         w.write_episode(tagged_episode(0, 1, 7))
     assert load_dataset(path).lengths.tolist() == [5, 7]
-    with pytest.raises(FileExistsError, match="already exists"):
-        with ShmFormat.open_writer(path, mode="error"):
-            pass
+    with pytest.raises(FileExistsError, match="already exists"), \
+            ShmFormat.open_writer(path, mode="error"):
+        pass
     assert load_dataset(path).lengths.tolist() == [5, 7]
     with ShmFormat.open_writer(path, mode="overwrite") as w:
         w.write_episode(tagged_episode(0, 2, 4))
@@ -143,9 +148,9 @@ def test_schema_drift_is_refused_before_writing(shm_name):
                dict(tagged_episode(0, 1, 5), pixels=np.zeros((5, 4, 4, 1), np.uint8)),
                dict(tagged_episode(0, 1, 5), who=np.zeros(5, np.float64))]
     for ep in drifted:
-        with pytest.raises(ValueError, match="schema mismatch|per-step shape|dtype float64"):
-            with ShmFormat.open_writer(path) as w:
-                w.write_episode(ep)
+        with pytest.raises(ValueError, match="schema mismatch|per-step shape|dtype float64"), \
+                ShmFormat.open_writer(path) as w:
+            w.write_episode(ep)
     assert written(name) == before and load_dataset(path).lengths.tolist() == [5]
 
 
@@ -193,7 +198,7 @@ def test_round_trip_through_convert_is_bit_identical(tmp_path, shm_name):
     convert(path, str(back), dest_format="hdf5", progress=False)
     with h5py.File(src, "r") as a, h5py.File(back, "r") as b:
         assert sorted(a.keys()) == sorted(b.keys())
-        for key in a.keys():
+        for key in a:
             assert a[key].dtype == b[key].dtype and a[key].shape == b[key].shape, key
             if h5py.check_string_dtype(a[key].dtype):
                 assert list(a[key].asstr()[:]) == list(b[key].asstr()[:])

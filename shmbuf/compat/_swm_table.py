@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import time
 import weakref
+from typing import Any
 
 import numpy as np
 
@@ -102,8 +103,9 @@ class Table:
         self.capacity = capacity
         self.params = params
         self.keep_created = keep_created
-        self.buf = None
-        self._writer = None
+        self.buf: Any = None          # the core Buffer once attached or created
+        self._writer: Any = None
+        self._writer_pid = -1
         self._view: View | None = None
 
     # -- the segment ----------------------------------------------------------------
@@ -117,8 +119,8 @@ class Table:
         return self.buf
 
     def _create(self, cols: dict[str, np.ndarray], blob: bytes, steps: int, who: str):
-        spec = {f"c{i}": (arr.shape[1:], codec.column_dtype(arr))
-                for i, arr in enumerate(cols.values())}
+        spec: dict[str, tuple] = {f"c{i}": (arr.shape[1:], codec.column_dtype(arr))
+                                  for i, arr in enumerate(cols.values())}
         width = codec.data_width(blob, steps)
         spec.update(done=((), np.bool_), mark=((), np.uint8), epd=((width,), np.uint8))
         meta = {"facade": FACADE, "params": self.params, "columns": list(cols)}
@@ -250,7 +252,7 @@ class View:
         found = []
         for k in range(len(eps.index)):
             i = int(eps.index[k])
-            if i in known:
+            if old is not None and i in known:
                 j = known[i]
                 a = int(old.offsets[j])
                 n = int(old.lengths[j])

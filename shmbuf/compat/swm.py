@@ -34,6 +34,7 @@ from . import _swm_table as table
 EPISODE_DATA_KEY = codec.EPISODE_DATA_KEY
 SCHEME = "shm://"
 Sampler = Callable[[int, Any, int, int], Any]
+_log = logging.getLogger(__name__)
 
 __all__ = ["ReplayBuffer", "ShmDataset", "ShmFormat", "ShmWriter", "as_sampler"]
 
@@ -57,8 +58,10 @@ def _uniform_sampler(step: int, buffer: ReplayBuffer, batch_size: int,
 
 
 def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: np.ndarray,
-                  history_len: int, frameskip: int, who: str) -> dict[str, np.ndarray]:
-    """Clips ``(len(ep), history_len, ...)``: observations strided, ``action`` dense."""
+                  history_len: int, frameskip: int,
+                  who: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Clips ``(len(ep), history_len, ...)`` (observations strided, ``action`` dense), and
+    the ``(len(ep), history_len * frameskip)`` step ids they cover."""
     base = view.offsets[ep] + local
     obs = base[:, None] + np.arange(history_len) * frameskip
     act = base[:, None] + np.arange(history_len * frameskip)
@@ -126,6 +129,7 @@ class ReplayBuffer(Dataset):
         self._sample_step = 0
         self.last_ids: np.ndarray | None = None   # step ids of the last sample (update_priorities)
         self._generator: np.random.Generator | None = None
+        self._generator_pid = -1
         params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
         here = creator_pid == os.getpid()
         self._table = table.Table(name, max_steps, params, keep_created=not here)
@@ -148,7 +152,7 @@ class ReplayBuffer(Dataset):
                                 self.sampler if self.sampler is not _uniform_sampler else None,
                                 self.transform, self.key_filter, self._creator_pid)
 
-    def __enter__(self) -> ReplayBuffer:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -381,7 +385,7 @@ class ReplayBuffer(Dataset):
         fmt = _swm_format.get_format(format)
         episodes: Iterable[dict] = self.episodes()
         if self.episode_column_names and not getattr(fmt, "supports_episode_data", False):
-            logging.warning("ReplayBuffer.dump: format '%s' does not support episode data; "
+            _log.warning("ReplayBuffer.dump: format '%s' does not support episode data; "
                             "dropping it (columns %s).", format, self.episode_column_names)
             episodes = ({k: v for k, v in ep.items() if k != EPISODE_DATA_KEY}
                         for ep in episodes)
@@ -402,7 +406,7 @@ def _reopen_buffer(name, max_steps, history_len, frameskip, sampler, transform, 
 
 
 # -- shmbuf's selectors as swm samplers ------------------------------------------------------
-class as_sampler:  # noqa: N801  # used like a function: sampler=as_sampler(Recency())
+class as_sampler:  # used like a function: sampler=as_sampler(Recency())
     """A swm ``sampler=`` that draws clips by one of ``shmbuf.select``'s regimes.
 
     The selector draws windows of ``history_len * frameskip`` steps from the
@@ -669,7 +673,7 @@ class ShmWriter:
         self._started = False
         self._tab: table.Table | None = None
 
-    def __enter__(self) -> ShmWriter:
+    def __enter__(self):
         if not self._started:
             self._apply_mode()
             self._started = True

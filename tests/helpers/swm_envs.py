@@ -1,6 +1,8 @@
 """A small gymnasium env that swm's World can drive without pygame or OpenCV."""
 from __future__ import annotations
 
+from typing import ClassVar
+
 import gymnasium as gym
 import numpy as np
 
@@ -10,7 +12,7 @@ ENV_ID = "shmbuf_test/Dot-v0"
 class Dot(gym.Env):
     """A dot moved by 2-D actions; frames are drawn with numpy."""
 
-    metadata = {"render_modes": ["rgb_array"]}
+    metadata: ClassVar[dict] = {"render_modes": ["rgb_array"]}
 
     def __init__(self, render_mode=None, size: int = 16):
         self.render_mode, self.size = render_mode, size
@@ -43,7 +45,7 @@ def world_class():
     try:
         from stable_worldmodel import World
         from stable_worldmodel.policy import RandomPolicy  # noqa: F401
-    except Exception as exc:   # e.g. a torchvision build that needs CUDA torch
+    except (ImportError, RuntimeError, OSError) as exc:   # e.g. a torchvision built for CUDA torch
         return None, f"{type(exc).__name__}: {exc}"
     return World, None
 

@@ -24,8 +24,9 @@ def write_tagged(rb, writer_id: int, episodes: int, steps: int) -> None:
 
 def write_shm_dataset(path: str, episodes: int, steps: int) -> None:
     """Spawned writer: fill ``shm://NAME`` through swm's format registry, then exit."""
-    import shmbuf.compat.swm  # noqa: F401  # registers the format
     from stable_worldmodel.data.format import get_format
+
+    import shmbuf.compat.swm  # noqa: F401  # registers the format
 
     with get_format("shmbuf").open_writer(path, mode="error") as w:
         for ep in range(episodes):
