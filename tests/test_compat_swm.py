@@ -11,6 +11,8 @@ swm_data = pytest.importorskip("stable_worldmodel.data")
 import torch
 from helpers.swm_workers import rb_len, tagged_episode, write_tagged
 
+import shmbuf
+from shmbuf import cli
 from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler
 from shmbuf.select import AgeBuckets, Prioritized, Recency
 
@@ -384,7 +386,7 @@ def test_several_collector_processes_write_whole_episodes(make):
 
 
 @pytest.mark.slow
-def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it():
+def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it(capsys):
     rb = ReplayBuffer(max_steps=1000)
     try:
         ctx = mp.get_context("spawn")
@@ -394,6 +396,14 @@ def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it
         assert p.exitcode == 0
         assert rb.num_episodes == 2                # the child exited; the data stayed
         assert os.path.exists(os.path.join(SHM, rb.name))
+        # The constructing process adopted it: gc leaves it alone, rm asks for --force.
+        look = shmbuf.attach(rb.name)
+        assert look.stats().owner_pid == os.getpid() and look.stats().owner_alive
+        look.close()
+        assert cli.main(["gc", "--dry-run"]) == 0
+        assert rb.name not in capsys.readouterr().out
+        rb.write_episode(tagged_episode(0, 0, 10))  # and writes on through a new writer
+        assert rb.num_episodes == 3
     finally:
         rb.close()
     assert not os.path.exists(os.path.join(SHM, rb.name))

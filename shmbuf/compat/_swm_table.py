@@ -27,7 +27,13 @@ from typing import Any
 import numpy as np
 
 from .. import _signals, store
-from .._errors import CorruptSegmentError, SegmentExistsError, SegmentNotFoundError
+from .._errors import (
+    BufferClosedError,
+    CorruptSegmentError,
+    OwnerAliveError,
+    SegmentExistsError,
+    SegmentNotFoundError,
+)
 from .._handle import _finalize
 from .._layout import CLOSED_OWNER
 from .._segment import unlink as unlink_segment
@@ -96,10 +102,15 @@ class Table:
         capacity: steps the store holds (swm's ``max_steps``).
         params: JSON-able parameters kept in the metadata.
         keep_created: a segment this process creates outlives it (``keep``).
+        adopt: this process answers for the segment: when the process that
+            created it has died, take ownership (``attach(own=True)``), so that
+            ``shmbuf gc`` leaves it alone and this process removes it at close.
     """
 
-    def __init__(self, name: str, capacity: int, params: dict, *, keep_created: bool):
+    def __init__(self, name: str, capacity: int, params: dict, *, keep_created: bool,
+                 adopt: bool = False):
         self.name = name
+        self.adopt = adopt
         self.capacity = capacity
         self.params = params
         self.keep_created = keep_created
@@ -202,8 +213,26 @@ class Table:
             return View.empty()
         logged = buf._ring.episodes_logged()
         if self._view is None or self._view.logged != logged or not self._view.valid():
+            if self.adopt and not buf.owner:
+                buf = self._adopt_if_orphaned(buf)
             self._view = View.build(buf, logged, self._view)
         return self._view
+
+    def _adopt_if_orphaned(self, buf):
+        """Own the segment once its creator (a collector that wrote first) has exited."""
+        if buf.stats().owner_alive:
+            return buf
+        try:
+            mine = store.attach(self.name, own=True)
+        except (OwnerAliveError, BufferClosedError, SegmentNotFoundError):
+            return buf        # a rival adopted it, or it is being removed
+        if self._writer is not None and self._writer_pid == os.getpid():
+            self._writer.close()   # its slot goes with the old handle
+        self._writer = None
+        buf.close()
+        self.buf = mine
+        self._view = None
+        return mine
 
     def close(self, remove_segment: bool) -> None:
         writer, self._writer = self._writer, None

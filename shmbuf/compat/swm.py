@@ -132,7 +132,7 @@ class ReplayBuffer(Dataset):
         self._generator_pid = -1
         params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
         here = creator_pid == os.getpid()
-        self._table = table.Table(name, max_steps, params, keep_created=not here)
+        self._table = table.Table(name, max_steps, params, keep_created=not here, adopt=here)
         # The constructing process removes the segment, whoever created it.
         self._finalizer = weakref.finalize(self, _close_table, self._table,
                                            creator_pid if here else None)
