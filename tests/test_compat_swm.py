@@ -5,6 +5,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 swm_data = pytest.importorskip("stable_worldmodel.data")
 
@@ -408,3 +410,32 @@ def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it
         rb.close()
     assert not os.path.exists(os.path.join(SHM, rb.name))
     rb.close()                                     # idempotent
+
+
+# -- against swm's own class ------------------------------------------------------------------
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.one_of(st.integers(1, 30), st.just("clear"), st.just("check")),
+                    min_size=1, max_size=25),
+       history_len=st.integers(1, 3), frameskip=st.integers(1, 2))
+def test_same_episodes_and_clips_as_swms_buffer(make, ops, history_len, frameskip):
+    """One writer and max_steps < 128 (chunks of one step): swm's eviction rule exactly."""
+    from stable_worldmodel.data import ReplayBuffer as SwmReplayBuffer
+
+    ours = make(max_steps=40, history_len=history_len, frameskip=frameskip)
+    theirs = SwmReplayBuffer(max_steps=40, history_len=history_len, frameskip=frameskip)
+    for k, op in enumerate(ops):
+        if op == "clear":
+            ours.clear()
+            theirs.clear()
+        elif op != "check":
+            ep = episode(op, seed=k, pixels=False)
+            ours.write_episode(ep)
+            theirs.write_episode(ep)
+        assert ours.lengths.tolist() == theirs.lengths.tolist()
+        assert ours.offsets.tolist() == theirs.offsets.tolist()
+        assert len(ours) == len(theirs) and ours.num_steps_stored == theirs.num_steps_stored
+        for i in range(len(ours)):
+            a, b = ours[i], theirs[i]
+            assert all(np.array_equal(a[c], b[c]) for c in b)

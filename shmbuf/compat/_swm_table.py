@@ -261,6 +261,8 @@ class View:
         self.chunks, self.seqs, self.hops = chunks, seqs, hops   # (n, hops) padded
         self._starts: dict[int, np.ndarray] = {}
         self._data: dict[int, dict] = {}
+        self._inverse: tuple[np.ndarray, np.ndarray] | None = None
+        self.cleared = False                # built from entries that held a clear() mark
         self.built = time.monotonic()
 
     @classmethod
@@ -274,25 +276,40 @@ class View:
 
     @classmethod
     def build(cls, buf, logged: int, old: View | None) -> View:
-        eps = buf.episodes()
+        """The view now; from ``old`` (same buffer) only the episodes that ended since are read.
+
+        Old episodes still indexed are re-checked in one pass (recycled ones dropped), the
+        new ones are located; the newest ``clear()`` mark hides all before it.
+        """
+        if old is None or old.buf is not buf:
+            return cls._located(buf, logged, buf.episodes())
+        slots = buf._layout.episode_slots
+        last = int(old.index[-1]) if len(old.index) else logged - 1 - min(logged, slots)
+        fresh = min(logged - 1 - last, slots)
+        kept = old.index >= logged - slots
+        if len(old.index):
+            kept &= old.check_episodes(np.arange(len(old.index)))
+        base = old if kept.all() else old.keep_only(kept, logged)
+        if fresh <= 0:
+            base.logged = logged
+            return base
+        new = cls._located(buf, logged, buf.episodes(newest=fresh))
+        if new.cleared:
+            return new
+        return base.joined(new, logged)
+
+    @classmethod
+    def _located(cls, buf, logged: int, eps) -> View:
+        """A view of the index entries ``eps`` that are still held (each located)."""
         finder, ring, views = buf._finder, buf._ring, buf._views
-        known = {} if old is None or old.buf is not buf else {
-            int(i): k for k, i in enumerate(old.index.tolist())}
         found = []
         for k in range(len(eps.index)):
-            i = int(eps.index[k])
-            if old is not None and i in known:
-                j = known[i]
-                a = int(old.offsets[j])
-                n = int(old.lengths[j])
-                found.append((i, old.rows[a:a + n], old.chunks[j, :old.hops], old.seqs[j, :old.hops]))
-                continue
             start = int(ring.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
             w = finder.locate(np.array([start], np.int64), int(eps.length[k]), 0, 1)
             if not len(w.rows) or (int(w.chunks[0, 0]), int(w.seqs[0, 0])) != (
                     int(eps.chunk[k]), int(eps.seq[k])):
                 continue
-            found.append((i, w.rows[0], w.chunks[0], w.seqs[0]))
+            found.append((int(eps.index[k]), w.rows[0], w.chunks[0], w.seqs[0]))
         # The newest clear() mark hides itself and everything that ended before it.
         marks = [n for n, f in enumerate(found) if len(f[1]) == 1 and views["mark"][f[1][0]]]
         if marks:
@@ -308,12 +325,35 @@ class View:
                    np.array([len(f[1]) for f in found], np.int64),
                    np.concatenate([f[1] for f in found]) if found else np.zeros(0, np.int64),
                    chunks, seqs, hops)
+        view.cleared = bool(marks)
         ok = view.check_episodes(np.arange(n))
         if not ok.all():   # recycled since the index was read: drop them
-            return view.keep_only(ok, logged)
+            cleared, view = view.cleared, view.keep_only(ok, logged)
+            view.cleared = cleared
         return view
 
+    def joined(self, newer: View, logged: int) -> View:
+        """This view's episodes, then ``newer``'s."""
+        hops = max(self.hops, newer.hops)
+
+        def pad(a: np.ndarray) -> np.ndarray:
+            if a.shape[1] == hops:
+                return a
+            return np.concatenate([a, np.repeat(a[:, -1:], hops - a.shape[1], axis=1)], axis=1)
+
+        return View(self.buf, logged, np.concatenate([self.index, newer.index]),
+                    np.concatenate([self.lengths, newer.lengths]),
+                    np.concatenate([self.rows, newer.rows]),
+                    np.concatenate([pad(self.chunks), pad(newer.chunks)]),
+                    np.concatenate([pad(self.seqs), pad(newer.seqs)]), hops)
+
     def keep_only(self, ok: np.ndarray, logged: int) -> View:
+        """The episodes where ``ok``."""
+        first = int(np.argmax(ok)) if ok.any() else len(ok)
+        if ok[first:].all():     # the usual case: the oldest episodes went
+            a = int(self.offsets[first]) if first < len(ok) else len(self.rows)
+            return View(self.buf, logged, self.index[first:], self.lengths[first:],
+                        self.rows[a:], self.chunks[first:], self.seqs[first:], self.hops)
         parts = [self.rows[a:a + n] for a, n, good in
                  zip(self.offsets.tolist(), self.lengths.tolist(), ok.tolist()) if good]
         return View(self.buf, logged, self.index[ok], self.lengths[ok],
@@ -332,6 +372,14 @@ class View:
     def valid(self) -> bool:
         """The cached view's oldest episode is still whole (a cheap freshness check)."""
         return not len(self.index) or bool(self.check_episodes(np.array([0]))[0])
+
+    def inverse(self) -> tuple[np.ndarray, np.ndarray]:
+        """(flat position of each physical row or -1, episode of each flat position), cached."""
+        if self._inverse is None:
+            where = np.full(self.buf.capacity, -1, np.int64)
+            where[self.rows] = np.arange(len(self.rows))
+            self._inverse = (where, np.repeat(np.arange(len(self.lengths)), self.lengths))
+        return self._inverse
 
     def clip_starts(self, span: int) -> np.ndarray:
         """``(n + 1,)`` cumulative counts of clips of ``span`` steps per episode."""

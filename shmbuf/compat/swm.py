@@ -446,9 +446,7 @@ class as_sampler:  # used like a function: sampler=as_sampler(Recency())
                 f"(num_episodes={buffer.num_episodes}, "
                 f"num_steps_stored={buffer.num_steps_stored})")
         store = view.buf
-        where = np.full(store.capacity, -1, np.int64)
-        where[view.rows] = np.arange(len(view.rows))
-        ep_of = np.repeat(np.arange(len(view.lengths)), view.lengths)
+        where, ep_of = view.inverse()
         self.select._check(store)
         out = np.empty(0, np.int64)
         gen = buffer._rng()
