@@ -318,3 +318,23 @@ def test_shm_writer_capacity_evicts_oldest(shm_name):
     ds = load_dataset(path)
     assert ds.lengths.tolist() == [8, 8]
     assert ds.load_episode(0)["ep"].tolist() == [2] * 8
+
+
+@needs_hdf5
+def test_reader_options_match_the_hdf5_readers(tmp_path, shm_name):
+    src = tmp_path / "data.h5"
+    with get_format("hdf5").open_writer(src) as w:
+        w.write_episode(swm_episode(6, 0))
+    path = f"shm://{shm_name()}"
+    convert(str(src), path, dest_format="shmbuf", progress=False)
+    def kw():   # fresh lists: swm's HDF5 reader appends the merged key to the caller's list
+        return {"keys_to_load": ["action", "state"], "keys_to_merge": {"both": ["action", "state"]}}
+
+    h5, shm = load_dataset(str(src), **kw()), load_dataset(path, **kw())
+    assert h5.column_names == shm.column_names == ["action", "state", "both"]
+    assert h5.get_col_data("both").tobytes() == shm.get_col_data("both").tobytes()
+    assert pickle.loads(pickle.dumps(shm)).column_names == shm.column_names
+    with pytest.raises(KeyError, match="'nope' is not a column"):
+        load_dataset(path, keys_to_load=["nope"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'framskip'"):
+        load_dataset(path, framskip=2)

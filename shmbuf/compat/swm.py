@@ -494,6 +494,10 @@ class ShmDataset(Dataset):
         name: the segment (``shm://NAME`` without the scheme).
         frameskip, num_steps, transform: as swm's ``Dataset``.
         keys_to_load: the columns to read (default all).
+        keys_to_cache: accepted for the HDF5 reader's signature; the table is
+            in memory already, so it changes nothing.
+        keys_to_merge: ``{target: source columns or regex}``, as the HDF5
+            reader: ``merge_col`` for each.
 
     Raises:
         SegmentNotFoundError: no segment has that name.
@@ -503,7 +507,8 @@ class ShmDataset(Dataset):
 
     def __init__(self, name: str, frameskip: int = 1, num_steps: int = 1,
                  transform: Callable[[dict], dict] | None = None,
-                 keys_to_load: list[str] | None = None, _episodes=None, **_ignored) -> None:
+                 keys_to_load: list[str] | None = None, keys_to_cache: list[str] | None = None,
+                 keys_to_merge: dict | None = None, _episodes=None) -> None:
         self._name = name
         self._tab = table.Table(name, 1, {}, keep_created=True)
         buf = table.attach_table(name, "load_dataset")
@@ -525,13 +530,16 @@ class ShmDataset(Dataset):
         self._store_col = {c: f"c{i}" for i, c in enumerate(cols)}
         self._cache: dict[str, np.ndarray] = {}
         self._kwargs = {"frameskip": frameskip, "num_steps": num_steps, "transform": transform,
-                        "keys_to_load": keys_to_load}
+                        "keys_to_load": None if keys_to_load is None else list(keys_to_load),
+                        "keys_to_merge": keys_to_merge}
         self.lengths = view.lengths.copy()
         self.offsets = view.offsets.copy()
         self.frameskip = frameskip
         self.num_steps = num_steps
         self.span = num_steps * frameskip
         self.transform = transform
+        for target, source in (keys_to_merge or {}).items():
+            self.merge_col(source, target)
 
     def __reduce__(self):
         return _reopen_dataset, (self._name, self._kwargs, self._fixed.index.copy())
@@ -712,9 +720,10 @@ class ShmWriter:
         arrays, steps = codec.coerce(cols, who)
         if steps == 0:
             return
-        if steps > self._tab.capacity:
-            raise ValueError(f"{who}: episode length {steps} exceeds max_steps="
-                             f"{self._tab.capacity}")
+        buf = self._tab.attached(who)
+        cap = self._tab.capacity if buf is None else buf.capacity   # an existing table's own
+        if steps > cap:
+            raise ValueError(f"{who}: episode length {steps} exceeds max_steps={cap}")
         self._tab.write(arrays, steps, data, who)
 
     def write_episodes(self, episodes: Iterable[dict]) -> None:
