@@ -15,8 +15,10 @@ baseline in this process, rounds alternated, median of ``--rounds``:
    their first.  Baseline: the same episodes in a file written by swm's HDF5
    writer, through swm's HDF5 reader.  Target: shm:// >= 3x.  Then the total
    Pss of trainer + workers (``/proc/PID/smaps_rollup``) after an epoch over
-   the shm:// dataset, less the same loader's Pss over an empty dataset,
-   divided by the table's bytes.  Target <= 1.1x.
+   the shm:// dataset, less the same loader's Pss over an epoch that reads
+   its first 4 clips again and again, divided by the table's bytes; and the
+   Pss of the segment's own mappings in those processes, over the same bytes.
+   Target <= 1.1x.
 2. Sample: ``ReplayBuffer.sample(64, history_len=4)``, shmbuf's (shared)
    against swm's in-RAM buffer holding the same episodes; ms per call.
    Target: at most 1.2x swm's time.
@@ -24,7 +26,9 @@ baseline in this process, rounds alternated, median of ``--rounds``:
    ReplayBuffer of 20 episodes' room, 2 processes against 1 (forked, started
    together, each writing ``--write-episodes`` episodes) once the ring has
    wrapped (so the segment's pages exist: first-touch page faults are the
-   Memory section's business); steps/s in all.  Target >= 1.7x.
+   Memory section's business); steps/s in all.  Target >= 1.7x.  Also each
+   side's CPU seconds over wall seconds: below 1.0, the writers waited for a
+   core (a machine busy with other work cannot show the scaling).
 
 It never asserts: it prints the table and writes the JSON.
 """
@@ -73,12 +77,17 @@ def pss_kib(pid: int) -> int:
     raise RuntimeError(f"no Pss line for pid {pid}")
 
 
-class _Empty(torch.utils.data.Dataset):
+class _Repeated(torch.utils.data.Dataset):
+    """The first clips of ``ds`` over and over: the same loader, with (almost) no data."""
+
+    def __init__(self, ds, n: int):
+        self.ds, self.n = ds, n
+
     def __len__(self):
-        return 1 << 20
+        return self.n
 
     def __getitem__(self, i):
-        return {"pixels": torch.zeros(4, 3, 64, 64, dtype=torch.uint8)}
+        return self.ds[i % 4]
 
 
 def _loader(ds):
@@ -142,7 +151,7 @@ def loader_part(tmp: Path, name: str, eps: list, rounds: int, batches: int) -> d
     data = rows * sum(a[0].nbytes for a in buf.arrays.values())   # the rows held, not capacity
     buf.close()
     epoch = -(-len(shm_ds) // 64)
-    empty, _ = loader_pss(_Empty(), epoch)
+    empty, _ = loader_pss(_Repeated(shm_ds, len(shm_ds)), epoch)
     full, segment = loader_pss(shm_ds, epoch, name)
     shm_ds.close()
     return {"shm_clips_s": shm, "hdf5_clips_s": hdf,
@@ -177,14 +186,15 @@ def _writer(rb, seed: int, episodes: int, steps: int, go, out) -> None:
     eps = [episode(steps, seed * 1000 + i) for i in range(episodes)]
     rb.write_episode(eps[-1])   # attached, a writer slot claimed, the pages mapped: untimed
     go.wait(timeout=120)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     for ep in eps:
         rb.write_episode(ep)
-    out.put(time.perf_counter() - t)
+    out.put((time.perf_counter() - t, time.process_time() - c))
 
 
-def write_rate(procs: int, episodes: int, steps: int) -> float:
-    """Steps/s of ``procs`` writers in steady state: the ring has wrapped, its pages exist."""
+def write_rate(procs: int, episodes: int, steps: int) -> tuple[float, float]:
+    """(steps/s of ``procs`` writers in steady state: the ring has wrapped, its pages exist;
+    the writers' CPU seconds over their wall seconds: 1.0 when each had a core to itself)."""
     ctx = mp.get_context("fork")
     rb = cs.ReplayBuffer(max_steps=20 * steps)
     for i in range(25):                 # fills the ring once: page faults happen here
@@ -197,8 +207,7 @@ def write_rate(procs: int, episodes: int, steps: int) -> float:
             p.start()
         t = time.perf_counter()
         go.wait(timeout=120)
-        for _ in ps:
-            out.get(timeout=300)
+        got = [out.get(timeout=300) for _ in ps]
         wall = time.perf_counter() - t
         for p in ps:
             p.join(timeout=60)
@@ -208,16 +217,23 @@ def write_rate(procs: int, episodes: int, steps: int) -> float:
                 p.kill()
                 p.join(timeout=10)
         rb.close()
-    return procs * episodes * steps / wall
+    return procs * episodes * steps / wall, sum(c for _, c in got) / sum(w for w, _ in got)
 
 
 def writer_part(rounds: int, episodes: int, steps: int) -> dict:
-    one, two = [], []
+    one, two, cpu1, cpu2 = [], [], [], []
     for _ in range(rounds):
-        one.append(write_rate(1, episodes, steps))
-        two.append(write_rate(2, episodes, steps))
-    return {"one_steps_s": one, "two_steps_s": two,
-            "ratio": statistics.median(two) / statistics.median(one)}
+        rate, cpu = write_rate(1, episodes, steps)
+        one.append(rate)
+        cpu1.append(cpu)
+        rate, cpu = write_rate(2, episodes, steps)
+        two.append(rate)
+        cpu2.append(cpu)
+    med = statistics.median
+    return {"one_steps_s": one, "two_steps_s": two, "one_cpu_share": cpu1,
+            "two_cpu_share": cpu2, "ratio": med(two) / med(one),
+            # steps per CPU second of writing: equal when two writers slow each other not at all
+            "per_cpu_ratio": (med(two) / (2 * med(cpu2))) / (med(one) / med(cpu1))}
 
 
 def main(argv=None) -> int:
@@ -255,6 +271,10 @@ def main(argv=None) -> int:
           f"{med(sample['swm_ms']):10.2f} {sample['ratio']:6.2f}x {'<= 1.2x':>8}")
     print(f"{'write_episode steps/s, 2 procs vs 1':<44} {med(writers['two_steps_s']):10.0f} "
           f"{med(writers['one_steps_s']):10.0f} {writers['ratio']:6.2f}x {'>= 1.7x':>8}")
+    print(f"{'  writers: CPU s / wall s (1.00: a core each)':<44} "
+          f"{med(writers['two_cpu_share']):10.2f} {med(writers['one_cpu_share']):10.2f}")
+    print(f"{'  steps per writer CPU second, 2 procs vs 1':<44} {'':>10} {'':>10} "
+          f"{writers['per_cpu_ratio']:6.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"loader": loader, "sample": sample, "writers": writers,
                                      "episodes": args.episodes, "steps": args.steps,
