@@ -99,7 +99,9 @@ def trainer(rb, batches, batch_size):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     first = last = None
     shapes = None
-    for step, batch in enumerate(loader):
+    steps = 0
+    for batch in loader:
+        steps += 1
         shapes = shapes or {k: (tuple(v.shape), str(v.dtype).replace("torch.", ""))
                             for k, v in batch.items()}
         frames = batch["pixels"][:, -1].reshape(batch_size, -1).float() / 255
@@ -110,7 +112,7 @@ def trainer(rb, batches, batch_size):
         opt.step()
         first = loss.item() if first is None else first
         last = loss.item()
-    return step + 1, shapes, first, last
+    return steps, shapes, first, last
 
 
 def main():

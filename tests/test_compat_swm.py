@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 try:   # stable-worldmodel's data layer; some builds fail with more than ImportError
     import stable_worldmodel.data  # noqa: F401
-except Exception as exc:  # noqa: BLE001  # e.g. RuntimeError from a CUDA-only torchvision
+except Exception as exc:  # e.g. RuntimeError from a torchvision built for CUDA torch
     pytest.skip(f"stable-worldmodel cannot be imported: {type(exc).__name__}: {exc}",
                 allow_module_level=True)
 
@@ -179,7 +179,7 @@ def test_text_columns_round_trip_and_a_longer_text_is_refused(make):
     rb.write_episode({"action": np.zeros((2, 2), np.float32), "lang": ["go", "stop"]})
     assert [list(ep["lang"]) for ep in rb.episodes()] == [["push the T"] * 3, ["go", "stop"]]
     before = held_steps(rb)
-    with pytest.raises(ValueError, match="'lang' has a value of 70 characters; it holds at most 64"):
+    with pytest.raises(ValueError, match="'lang' has a value of 70 characters; it holds at most"):
         rb.write_episode({"action": np.zeros((1, 2), np.float32), "lang": ["x" * 70]})
     assert held_steps(rb) == before
 

@@ -8,11 +8,11 @@ import pytest
 
 try:   # stable-worldmodel's data layer; some builds fail with more than ImportError
     import stable_worldmodel.data  # noqa: F401
-except Exception as exc:  # noqa: BLE001  # e.g. RuntimeError from a CUDA-only torchvision
+except Exception as exc:  # e.g. RuntimeError from a torchvision built for CUDA torch
     pytest.skip(f"stable-worldmodel cannot be imported: {type(exc).__name__}: {exc}",
                 allow_module_level=True)
-h5py = pytest.importorskip("h5py")
 
+import h5py
 import torch
 from helpers.swm_envs import make_world, world_class
 from helpers.swm_workers import tagged_episode, write_shm_dataset
@@ -53,7 +53,7 @@ def shm_name(request):
     yield make
     for name in names:
         if os.path.exists(os.path.join(SHM, name)):
-            shmbuf._segment.unlink(name)
+            shmbuf.segment.segment.unlink(name)
 
 
 def swm_episode(n, seed, text=True):

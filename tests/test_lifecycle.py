@@ -250,6 +250,48 @@ def test_owner_unlink_keeps_mapping_usable(make_buffer):
         shmbuf.attach(buf.name)
 
 
+def test_keep_leaves_the_segment_after_close_and_exit_until_rm():
+    name = fresh_name("keep")
+    try:
+        buf = shmbuf.create(SPEC, 16, name=name)
+        write(buf, 5)
+        buf.keep()
+        assert not buf.owner
+        buf.close()
+        del buf
+        gc.collect()
+        assert exists(name)                              # close and the finalizer left it
+        with shmbuf.attach(name) as att:
+            assert att.stats().live_steps == 5 and att.stats().owner_pid == os.getpid()
+
+        def child():                                     # its creator exits: still there
+            b = shmbuf.create(SPEC, 16, name=name + "-c")
+            write(b, 3)
+            b.keep()
+        assert run_forked(child) == 0
+        assert exists(name + "-c")
+        with shmbuf.attach(name + "-c") as att:
+            assert att.stats().live_steps == 3 and not att.stats().owner_alive
+        out = run_python(f"""
+            from shmbuf import cli
+            print(cli.main(["rm", {name!r}]), cli.main(["rm", {name + "-c"!r}]))
+        """)
+        assert out.split()[-2:] == ["1", "0"]            # a live creator needs --force
+        assert exists(name) and not exists(name + "-c")
+    finally:
+        for n in (name, name + "-c"):
+            if exists(n):
+                shmbuf.segment.segment.unlink(n)
+
+
+def test_keep_on_an_attached_handle_changes_nothing(make_buffer):
+    owner = make_buffer(capacity=16)
+    with shmbuf.attach(owner.name) as att:
+        att.keep()
+    owner.close()
+    assert not exists(owner.name)
+
+
 def test_attach_after_unlink_raises_not_found():
     name = fresh_name()
     shmbuf.create(SPEC, 16, name=name).close()

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 import os
 import time
-import weakref
 from typing import Any
 
 import numpy as np
 
-from .. import _signals, store
 from .._errors import (
     BufferClosedError,
     CorruptSegmentError,
@@ -34,10 +32,10 @@ from .._errors import (
     SegmentExistsError,
     SegmentNotFoundError,
 )
-from .._handle import _finalize
-from .._layout import CLOSED_OWNER
-from .._segment import unlink as unlink_segment
-from ..sampling import Windows
+from ..protocol.layout import CLOSED_OWNER
+from ..sampling.windows import Windows
+from ..segment.segment import unlink as unlink_segment
+from ..store import buffer as store
 from . import _swm_codec as codec
 
 FACADE = "swm"
@@ -46,20 +44,6 @@ _RETRIES = 8
 
 class TableChangedError(RuntimeError):
     """Rows being read were recycled by a writer; read again with a fresh view."""
-
-
-def keep(buf) -> None:
-    """Make owning ``buf`` stop removing its segment at close, exit or SIGTERM.
-
-    The segment then stays until ``shmbuf rm``, ``shmbuf gc`` (once its
-    creator has exited) or a reboot; its header still names the creator.
-    """
-    if not buf.owner:
-        return
-    buf._disown()
-    buf._finalizer = weakref.finalize(buf, _finalize, buf._segment, None)
-    buf._creator_pid = None
-    _signals.forget(buf)
 
 
 def remove(name: str) -> None:
@@ -144,7 +128,7 @@ class Table:
         except SegmentExistsError:
             return self.attached(who)
         if self.keep_created:
-            keep(buf)
+            buf.keep()   # it outlives this process (see the module docstring)
         self.buf = buf
         return buf
 

@@ -24,12 +24,10 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
+from stable_worldmodel.data import format as _swm_format
+from stable_worldmodel.data.dataset import Dataset
 
-# stable-worldmodel ships no type information (and CI's mypy runs without it).
-from stable_worldmodel.data import format as _swm_format  # type: ignore[import-not-found]
-from stable_worldmodel.data.dataset import Dataset  # type: ignore[import-not-found]
-
-from .._segment import generate_name, validate_name
+from ..segment.segment import generate_name, validate_name
 from . import _swm_codec as codec
 from . import _swm_table as table
 

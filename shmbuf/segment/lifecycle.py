@@ -9,6 +9,9 @@ unlink, pickle and use ``with`` through ``Shared``:
 - ``close()`` is idempotent, and afterwards every method raises
   ``BufferClosedError`` naming the object and its segment, like I/O on a
   closed file;
+- ``keep()`` makes the owner leave the segment in place when it closes or
+  exits (data meant to outlive its writer); ``shmbuf rm`` and, once that
+  process has exited, ``shmbuf gc`` remove it;
 - ``unlink()`` removes the name at once, for the owner in its own process
   only; a forked child that inherited the owner, and every finalizer
   outside the creating process, only close.  The handle that unlinked may
@@ -23,6 +26,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._errors import BufferClosedError
+from ..posix import signals
 from ..protocol.layout import CLOSED_OWNER
 from .segment import unlink as unlink_segment
 
@@ -54,6 +58,7 @@ class Shared:
     _closed = True            # class defaults: close() works after a failed constructor
     _creator_pid = None       # the creating process; None for attached handles
     _finalizer = None
+    _resource = None          # what the finalizer closes (given to _track)
     _segment = None
 
     if TYPE_CHECKING:  # every subclass defines it; __reduce__ attaches with it
@@ -71,6 +76,7 @@ class Shared:
         self._creator_pid = os.getpid() if owner else None
         self._closed = False
         if resource is not None:
+            self._resource = resource
             self._finalizer = weakref.finalize(self, _finalize, resource, self._creator_pid)
 
     def _disown(self) -> None:
@@ -126,6 +132,28 @@ class Shared:
         finally:
             if self._finalizer is not None:
                 self._finalizer()
+
+    def keep(self) -> None:
+        """Leave the segment in place when this owner closes, is dropped or exits.
+
+        For data meant to outlive the process that wrote it: any process can
+        attach to it afterwards.  The header still names this process as the
+        owner, so while it lives ``shmbuf rm NAME`` refuses without
+        ``--force``; once it has exited, ``shmbuf rm NAME`` removes it, and
+        so does ``shmbuf gc`` when no live writer uses it.  SIGTERM no longer
+        unlinks it either.  A no-op on a handle that does not own its segment.
+
+        Example:
+            >>> buf = shmbuf.create(spec, 10_000, name="dataset")
+            >>> buf.keep(); buf.close()          # still in /dev/shm: shmbuf.attach("dataset")
+        """
+        if not self.owner:
+            return
+        self._creator_pid = None
+        if self._finalizer is not None and self._resource is not None:
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _finalize, self._resource, None)
+        signals.forget(self)
 
     def unlink(self) -> None:
         """Remove the segment's name now (owner, in its own process, only).
