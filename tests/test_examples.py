@@ -115,7 +115,32 @@ def test_offline_dataloader_loads_once_and_trains_with_workers_and_two_trainers(
     assert lines[-1].endswith("exit codes [0, 0]")
 
 
+def _swm_world_unavailable() -> str | None:
+    """Why stable-worldmodel's World cannot be imported by the examples' interpreter, or None."""
+    probe = subprocess.run([sys.executable, "-c", "from stable_worldmodel import World"],
+                           capture_output=True, text=True, timeout=120)
+    return None if probe.returncode == 0 else (probe.stderr.strip().splitlines() or ["?"])[-1]
+
+
+@pytest.mark.slow
+def test_swm_collectors_write_one_shared_buffer_while_the_trainer_samples():
+    why = _swm_world_unavailable()
+    if why is not None:
+        pytest.skip(f"stable-worldmodel's World cannot be imported: {why}")
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / "swm_collectors.py"),
+                          "--collectors", "4", "--episodes", "2", "--steps", "10",
+                          "--batches", "4", "--batch-size", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    assert lines[-3].startswith("sample(8): action (8, 4, 2) float32, ")
+    assert "pixels (8, 4, 32, 32, 3) uint8" in lines[-3] and "reward (8, 4) float64" in lines[-3]
+    assert lines[-2].startswith("trained 4 batches while collecting")
+    assert lines[-1].startswith("done: 8 episodes, ")
+    assert lines[-1].endswith("from 4 collectors, exit codes [0, 0, 0, 0]")
+
+
 def test_every_example_has_a_test():
     tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py",
-              "offline_dataloader.py", *FACADE_EXAMPLES}
+              "offline_dataloader.py", "swm_collectors.py", *FACADE_EXAMPLES}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
