@@ -74,6 +74,9 @@ class _Info:
         user = self.owner["meta"].get("user", {}) if self.keyed else {}
         if user.get("facade") == "HistoryBuffer":  # its columns k0, k1, ... hold its keys
             names = {f"k{i}": entry[0] for i, entry in enumerate(user.get("keys", []))}
+        meta = self.owner["meta"] if not self.keyed else {}
+        if meta.get("facade") == "swm":   # a stable-worldmodel table: c0, c1, ... its columns
+            names = {f"c{i}": name for i, name in enumerate(meta.get("columns", []))}
         return [(names.get(c.name, c.name), c.shape, c.dtype) for c in self.layout.user_columns]
 
     def writers(self) -> list[tuple[int, int, int]]:

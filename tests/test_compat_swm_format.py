@@ -342,3 +342,15 @@ def test_reader_options_match_the_hdf5_readers(tmp_path, shm_name):
         load_dataset(path, keys_to_load=["nope"])
     with pytest.raises(TypeError, match="unexpected keyword argument 'framskip'"):
         load_dataset(path, framskip=2)
+
+
+def test_shmbuf_info_names_the_tables_columns(shm_name, capsys):
+    name = shm_name()
+    with ShmFormat.open_writer(f"shm://{name}") as w:
+        w.write_episode({"observation.state": np.zeros((3, 2), np.float32),
+                         "action": np.zeros((3, 2), np.float32)})
+    assert cli.main(["info", name]) == 0
+    out = capsys.readouterr().out
+    assert "observation.state" in out and "action" in out and " c0 " not in out
+    ds = load_dataset(f"shm://{name}")                # a name that is not an identifier
+    assert ds.column_names == ["observation.state", "action"]
