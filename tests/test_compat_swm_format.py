@@ -354,3 +354,17 @@ def test_shmbuf_info_names_the_tables_columns(shm_name, capsys):
     assert "observation.state" in out and "action" in out and " c0 " not in out
     ds = load_dataset(f"shm://{name}")                # a name that is not an identifier
     assert ds.column_names == ["observation.state", "action"]
+
+
+def test_a_live_replay_buffer_reads_as_a_dataset():
+    rb = ReplayBuffer(max_steps=100)
+    try:
+        for ep in range(3):
+            rb.write_episode(tagged_episode(2, ep, 5 + ep))
+        rb.clear()
+        rb.write_episode(tagged_episode(2, 7, 4))
+        ds = load_dataset(f"shm://{rb.name}")
+        assert ds.lengths.tolist() == rb.lengths.tolist() == [4]
+        assert ds.load_episode(0)["ep"].tolist() == [7] * 4
+    finally:
+        rb.close()
