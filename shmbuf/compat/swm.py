@@ -196,12 +196,23 @@ class ReplayBuffer(Dataset):
         self._table.write(arrays, steps, data, who)
 
     def write_episodes(self, episodes: Iterable[dict]) -> None:
-        """``write_episode`` for each episode of the iterable."""
+        """``write_episode`` for each episode of the iterable, in order.
+
+        Raises:
+            What ``write_episode`` raises; the episodes before the bad one stay written.
+        """
         for ep in episodes:
             self.write_episode(ep)
 
     def clear(self) -> None:
-        """Drop every stored episode, for every process sharing the buffer."""
+        """Drop every stored episode, for every process sharing the buffer.
+
+        It writes a one-row mark that hides every episode that ended before it
+        (the schema stays), so the buffer's room is reused as it is refilled.
+
+        Example:
+            >>> rb.clear(); rb.num_episodes   # 0, here and in every worker
+        """
         self._table.clear()
 
     # -- what is held ---------------------------------------------------------------------
@@ -259,11 +270,28 @@ class ReplayBuffer(Dataset):
                step: int | None = None) -> dict[str, np.ndarray]:
         """A batch of clips drawn by the sampler: ``{col: (batch_size, history_len, ...)}``.
 
+        Args:
+            batch_size: clips, >= 1.
+            history_len: steps per clip (``frameskip`` apart); default the
+                constructor's.
+            step: passed to the sampler; default this process's counter,
+                which then advances (an explicit ``step`` leaves it alone).
+
+        Returns:
+            numpy arrays, observations ``(B, history_len, ...)`` (frames HWC as
+            written) and ``action`` ``(B, history_len, frameskip * action_dim)``;
+            ``transform`` is not applied (as swm).  ``last_ids`` then holds the
+            clips' step ids.
+
         Raises:
             ValueError: a size that is not positive, or a sampler result of
                 another shape than ``(batch_size,)``.
             IndexError: a sampler index outside ``[0, num_valid_ends)``.
             RuntimeError: no clip of that length is held (default sampler).
+
+        Example:
+            >>> batch = rb.sample(64, history_len=4)
+            >>> batch["pixels"].shape      # (64, 4, 64, 64, 3)
         """
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -381,7 +409,23 @@ class ReplayBuffer(Dataset):
             yield out
 
     def dump(self, path, format: str, mode: str = "overwrite", **kwargs: Any) -> None:
-        """Write the held episodes through the registered swm writer of ``format``."""
+        """Write the held episodes through the registered swm writer of ``format``.
+
+        Episode data goes along when the format supports it, and is dropped
+        with a warning otherwise (as swm).
+
+        Args:
+            path: the destination (``"shm://NAME"`` for ``format="shmbuf"``).
+            format: a registered swm format name.
+            mode: ``"overwrite"`` (default), ``"append"`` or ``"error"``.
+            **kwargs: passed to the format's ``open_writer``.
+
+        Raises:
+            ValueError: an unknown format or mode.
+
+        Example:
+            >>> rb.dump("replay.h5", format="hdf5")
+        """
         fmt = _swm_format.get_format(format)
         episodes: Iterable[dict] = self.episodes()
         if self.episode_column_names and not getattr(fmt, "supports_episode_data", False):
