@@ -30,6 +30,15 @@ _MIN_DATA_BYTES = 16     # bytes of episode data per step, at least
 _PREFIX = 4              # a little-endian uint32 length before the JSON document
 
 
+def positive(name: str, value) -> int:
+    """``value`` as an int > 0 (a size); TypeError or ValueError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
 def split_episode(ep: dict) -> tuple[dict, dict]:
     """``(per-step columns, episode data)`` of an swm episode dict (not mutated)."""
     if EPISODE_DATA_KEY not in ep:
