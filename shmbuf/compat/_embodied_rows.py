@@ -25,28 +25,29 @@ def draw(buffer, selector, batch: int, length: int, spec: dict) -> dict:
     are redrawn."""
     buffer._check_live()
     targets = prepare_out(None, spec, (batch, length), ids=True)
-    return buffer._draw(buffer._random.get(), batch, length, 0, selector, targets, False)
+    return buffer._draw(buffer._parts.random.get(), batch, length, 0, selector, targets, False)
 
 
 def locate(buffer, starts: np.ndarray, length: int) -> Windows:
     """The valid windows among candidate ``starts`` (int64 rows), in order."""
-    return buffer._finder.locate(np.ascontiguousarray(starts, np.int64), length, 0, len(starts))
+    starts = np.ascontiguousarray(starts, np.int64)
+    return buffer._parts.finder.locate(starts, length, 0, len(starts))
 
 
 def finder(buffer):
-    return buffer._finder
+    return buffer._parts.finder
 
 
 def ids_of_rows(buffer, found_rows: np.ndarray) -> np.ndarray:
     """The step ids of the steps at ``found_rows`` (a window's rows, just located)."""
-    return buffer._ring.prio().ids(found_rows)
+    return buffer._parts.ring.prio().ids(found_rows)
 
 
 def live_chunks(buffer):
     """The chunks holding committed rows now, with their seqs (``Ring.live_chunks``)."""
-    return buffer._ring.live_chunks()
+    return buffer._parts.ring.live_chunks()
 
 
 def unchanged(buffer, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
     """After rows were read: True where each chunk still has its seq."""
-    return buffer._ring.unchanged(chunks, seqs)
+    return buffer._parts.ring.unchanged(chunks, seqs)

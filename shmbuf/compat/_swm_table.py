@@ -195,7 +195,7 @@ class Table:
         buf = self.attached(who)
         if buf is None:
             return View.empty()
-        logged = buf._ring.episodes_logged()
+        logged = buf._parts.ring.episodes_logged()
         if self._view is None or self._view.logged != logged or not self._view.valid():
             if self.adopt and not buf.owner:
                 buf = self._adopt_if_orphaned(buf)
@@ -267,7 +267,7 @@ class View:
         """
         if old is None or old.buf is not buf:
             return cls._located(buf, logged, buf.episodes())
-        slots = buf._layout.episode_slots
+        slots = buf._parts.ring.layout.episode_slots
         last = int(old.index[-1]) if len(old.index) else logged - 1 - min(logged, slots)
         fresh = min(logged - 1 - last, slots)
         kept = old.index >= logged - slots
@@ -285,7 +285,7 @@ class View:
     @classmethod
     def _located(cls, buf, logged: int, eps) -> View:
         """A view of the index entries ``eps`` that are still held (each located)."""
-        finder, ring, views = buf._finder, buf._ring, buf._views
+        finder, ring, views = buf._parts.finder, buf._parts.ring, buf._parts.views
         found = []
         for k in range(len(eps.index)):
             start = int(ring.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
@@ -351,7 +351,7 @@ class View:
             return np.ones(len(eps), np.bool_)
         w = Windows(np.zeros((len(eps), 1), np.int64), np.ascontiguousarray(self.chunks[eps]),
                     np.ascontiguousarray(self.seqs[eps]))
-        return self.buf._finder.still_valid(w)
+        return self.buf._parts.finder.still_valid(w)
 
     def valid(self) -> bool:
         """The cached view's oldest episode is still whole (a cheap freshness check)."""
@@ -385,7 +385,7 @@ class View:
 
     def gather(self, col: str, positions: np.ndarray) -> np.ndarray:
         """Store column ``col`` at flat positions (any shape), copied."""
-        return np.take(self.buf._views[col], self.rows[positions], axis=0)
+        return np.take(self.buf._parts.views[col], self.rows[positions], axis=0)
 
     def confirm(self, eps: np.ndarray, who: str) -> None:
         """Raise TableChangedError if an episode of ``eps`` was recycled during a read."""

@@ -65,7 +65,7 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
         if col == "action":
             got = got.reshape(len(ep), history_len, -1)
         out[col] = got
-    ids = view.buf._ring.prio().ids(view.rows[act])   # read with the rows, checked with them
+    ids = view.buf._parts.ring.prio().ids(view.rows[act])   # read with the rows, checked with them
     view.confirm(ep, who)
     return out, ids
 
@@ -490,7 +490,7 @@ class as_sampler:  # used like a function: sampler=as_sampler(Recency())
         out = np.empty(0, np.int64)
         gen = buffer._rng()
         for _ in range(64):
-            w = self.select._draw(store._finder, gen, batch_size, span, 0)
+            w = self.select._draw(store._parts.finder, gen, batch_size, span, 0)
             pos = where[w.rows[:, 0]]
             pos = pos[pos >= 0]
             ep = ep_of[pos]
