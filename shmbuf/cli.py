@@ -1,11 +1,12 @@
-"""python -m shmbuf ls | info NAME | rm [--force] NAME... | gc [--dry-run] | top NAME
-                 | import SOURCE [--name X] | export NAME --to TARGET
+"""python -m shmbuf ls | info NAME | rm [--force] NAME... | gc [--dry-run] [NAME...] | top NAME
+                 | import SOURCE [--name X] [--download] | export NAME --to TARGET
 
 ``import`` and ``export`` need the datasets extra (``shmbuf.datasets._cli``);
 ``import`` holds the buffer it made until Ctrl-C or SIGTERM.
 
 Exit codes: 0 success, 1 a named segment is missing, is not a shmbuf
-buffer, or (rm without --force) has a live owner; 2 bad usage (argparse).
+buffer, or (rm without --force) has a live owner; 2 bad usage (argparse);
+141 the reader of stdout left early (``shmbuf info NAME | head``).
 """
 from __future__ import annotations
 
@@ -88,14 +89,16 @@ class _Info:
         self.segment.close()
 
 
-def _scan():
+def _scan(names=None):
     """Every shmbuf-looking entry of /dev/shm: an _Info (caller closes), or (name, why not).
 
     An entry that is not a readable buffer is reported when its name starts
     with ``shmbuf-`` (a leftover a user may want to remove); other names are
-    other programs' business.
+    other programs' business.  ``names``: only these entries (default all).
     """
     for name in list_segments():
+        if names is not None and name not in names:
+            continue
         try:
             yield _Info(name)
         except (CorruptSegmentError, SegmentNotFoundError, SegmentPermissionError, ValueError,
@@ -228,9 +231,11 @@ def cmd_gc(args) -> int:
     """Remove buffers that were closed, or whose owner is dead and that no live writer uses.
 
     A dead owner's buffer that live writers still fill is kept for adoption.
+    With names, only those buffers are looked at (a name that is not there
+    is skipped quietly: gc is about what is left, not about what was asked).
     """
     dead = []
-    for info in _scan():
+    for info in _scan(set(args.names) if args.names else None):
         if isinstance(info, tuple):
             continue  # not a buffer: gc never removes what it cannot read
         try:
@@ -335,6 +340,8 @@ def _dataset_parsers(sub) -> None:
     p.add_argument("--capacity", type=int, help="steps held (default: the whole dataset; "
                    "smaller keeps the newest episodes)")
     p.add_argument("--keys", help="comma-separated: Minari observation keys, or swm columns")
+    p.add_argument("--download", action="store_true", help="fetch a Minari dataset that is "
+                   "not held locally from Minari's remote")
     p.set_defaults(func=cmd_import)
     p = sub.add_parser("export", help="write a buffer's finished episodes as a dataset")
     p.add_argument("name")
@@ -359,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_rm)
     p = sub.add_parser("gc", help="remove buffers whose owner process is dead (and that no "
                        "live writer uses)")
+    p.add_argument("names", nargs="*", metavar="NAME",
+                   help="only these buffers (default: every buffer in /dev/shm)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
     p.set_defaults(func=cmd_gc)
     p = sub.add_parser("top", help="live fill, ingest and sample rates until Ctrl-C")
@@ -375,7 +384,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a reader that left is caught below
+        return status
     except (SegmentNotFoundError, CorruptSegmentError, SegmentPermissionError) as exc:
         print(f"shmbuf {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader left (``shmbuf info NAME | head``): not an error of ours.
+        # Point stdout at /dev/null so that the interpreter's final flush of
+        # the dead pipe does not print a second traceback (Python's
+        # documented recipe, "Note on SIGPIPE" in the signal module).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141  # what a shell reports for a tool that SIGPIPE ended

@@ -139,7 +139,7 @@ def test_gc_spares_an_adopted_buffer_and_a_closed_one_cannot_be_adopted(capsys):
     name = dead_owner_buffer()
     try:
         with shmbuf.attach(name, own=True) as buf:
-            assert cli.main(["gc"]) == 0
+            assert cli.main(["gc", name]) == 0
             assert shm_exists(name)  # its creator is dead, but its owner now is alive
             assert cli.main(["info", name]) == 0
             out = capsys.readouterr().out
@@ -149,7 +149,7 @@ def test_gc_spares_an_adopted_buffer_and_a_closed_one_cannot_be_adopted(capsys):
         _segment._mark_closed(name, CLOSED_OWNER)  # closed, its name not yet removed
         with pytest.raises(shmbuf.BufferClosedError, match="closed by its owner"):
             shmbuf.attach(name, own=True)
-        assert cli.main(["gc"]) == 0
+        assert cli.main(["gc", name]) == 0
         assert not shm_exists(name)
     finally:
         if shm_exists(name):

@@ -19,10 +19,8 @@ def cli(*args, timeout=60):
                           text=True, timeout=timeout)
 
 
-@pytest.fixture
-def orphan():
-    """A buffer whose owner was SIGKILLed, so its segment outlived it."""
-    name = f"shmbuf-test-cli-orphan-{os.getpid()}"
+def _orphan(name: str) -> None:
+    """Make buffer ``name`` and SIGKILL its owner, so its segment outlives it."""
     code = (f"import shmbuf, numpy as np, sys; b = shmbuf.create({{'x': ((2,), np.uint8)}}, 64, "
             f"done_key=None, name={name!r}); print('ready', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
@@ -35,11 +33,24 @@ def orphan():
         if child.poll() is None:
             child.kill()
             child.wait(timeout=30)
-    yield name
+
+
+def _remove(name: str) -> None:
     try:
         posix_ipc.unlink_shared_memory("/" + name)
     except posix_ipc.ExistentialError:
         pass
+
+
+@pytest.fixture
+def orphan():
+    """A buffer whose owner was SIGKILLed, so its segment outlived it."""
+    name = f"shmbuf-test-cli-orphan-{os.getpid()}"
+    try:
+        _orphan(name)
+        yield name
+    finally:
+        _remove(name)
 
 
 @pytest.mark.slow
@@ -47,13 +58,15 @@ def test_gc_removes_only_segments_of_dead_owners(orphan, make_buffer):
     alive = make_buffer(SPEC, 64)
     foreign = posix_ipc.SharedMemory(f"/shmbuf-test-cli-foreign-{os.getpid()}",
                                      posix_ipc.O_CREX, size=4096)
+    # Only what this test made: gc without names would act on every user's buffers.
+    ours = (orphan, alive.name, foreign.name.lstrip("/"))
     try:
-        dry = cli("gc", "--dry-run")
+        dry = cli("gc", "--dry-run", *ours)
         assert dry.returncode == 0
         assert f"would remove {orphan}" in dry.stdout
         assert alive.name not in dry.stdout and "foreign" not in dry.stdout
         assert os.path.exists(f"/dev/shm/{orphan}")
-        real = cli("gc")
+        real = cli("gc", *ours)
         assert real.returncode == 0 and f"removed {orphan}" in real.stdout
         assert not os.path.exists(f"/dev/shm/{orphan}")
         assert os.path.exists(f"/dev/shm/{alive.name}")
@@ -94,15 +107,28 @@ def test_ls_info_top_rm(make_buffer):
 
 
 @pytest.mark.slow
+def test_gc_with_names_looks_at_those_buffers_only(orphan):
+    other = f"shmbuf-test-cli-orphan2-{os.getpid()}"
+    try:
+        _orphan(other)
+        got = cli("gc", other, f"shmbuf-test-cli-absent-{os.getpid()}")
+        assert got.returncode == 0 and f"removed {other}" in got.stdout
+        assert not os.path.exists(f"/dev/shm/{other}")
+        assert os.path.exists(f"/dev/shm/{orphan}") and orphan not in got.stdout
+    finally:
+        _remove(other)
+
+
+@pytest.mark.slow
 def test_gc_keeps_a_dead_owners_buffer_while_writers_use_it(orphan):
     buf = shmbuf.attach(orphan)
     try:
         with buf.writer() as w:
             w.add(x=[1, 2])
-            kept = cli("gc")
+            kept = cli("gc", orphan)
             assert kept.returncode == 0 and f"kept {orphan}" in kept.stdout
             assert "own=True" in kept.stdout and os.path.exists(f"/dev/shm/{orphan}")
-        gone = cli("gc")  # the writer closed: nobody uses it now
+        gone = cli("gc", orphan)  # the writer closed: nobody uses it now
         assert f"removed {orphan}" in gone.stdout and not os.path.exists(f"/dev/shm/{orphan}")
     finally:
         buf.close()
@@ -127,7 +153,7 @@ def test_ls_flags_a_shmbuf_named_entry_that_is_not_a_buffer():
         refused = cli("rm", name)
         assert refused.returncode == 1 and "not a shmbuf buffer" in refused.stderr
         assert os.path.exists(f"/dev/shm/{name}")
-        assert cli("gc").returncode == 0 and os.path.exists(f"/dev/shm/{name}")
+        assert cli("gc", name).returncode == 0 and os.path.exists(f"/dev/shm/{name}")
         assert cli("rm", "--force", name).returncode == 0
         assert not os.path.exists(f"/dev/shm/{name}")
     finally:
@@ -199,3 +225,20 @@ def test_console_script_is_installed():
     assert script is not None, "pip install -e . should install the shmbuf console script"
     got = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
     assert got.returncode == 0 and "usage: shmbuf" in got.stdout
+
+
+@pytest.mark.slow
+def test_a_reader_that_leaves_early_gets_no_traceback(make_buffer):
+    buf = make_buffer(SPEC, 64)
+    # ``shmbuf info NAME | head``: the reader has gone before the first write.
+    child = subprocess.Popen([sys.executable, "-m", "shmbuf", "info", buf.name],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    child.stdout.close()
+    try:
+        err = child.stderr.read().decode()
+        assert child.wait(timeout=60) == 141
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=30)
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err

@@ -14,7 +14,9 @@ import shmbuf
 h5py = pytest.importorskip("h5py")
 minari = pytest.importorskip("minari")
 gym = pytest.importorskip("gymnasium")
-pytest.importorskip("jax", reason="Minari's DataCollector needs minari[create] (jax)")
+# Only recording a Minari dataset (``collect``) needs jax: the HDF5, CLI and
+# import-graph tests run without it.
+JAX_REASON = "Minari's DataCollector needs minari[create] (jax)"
 
 from gymnasium import spaces  # noqa: E402
 
@@ -67,6 +69,7 @@ class TextEnv(DictEnv):
 
 def collect(env, dataset_id, steps):
     """A Minari dataset recorded by Minari's own DataCollector (ends on term or trunc)."""
+    pytest.importorskip("jax", reason=JAX_REASON)
     env = minari.DataCollector(env)
     env.reset(seed=0)
     env.action_space.seed(0)
@@ -315,7 +318,7 @@ def shmbuf_cli(*args, env=None):
 
 
 @pytest.mark.slow
-def test_cli_import_holds_the_buffer_until_sigterm_and_export_writes_it(tmp_path, minari_root):
+def test_cli_import_holds_the_buffer_until_sigterm_and_export_writes_it(tmp_path):
     cols, _ = write_swm(tmp_path / "a.h5", [6, 3, 8], terminal_eps=(0,))
     name = f"shmbuf-test-{os.getpid()}-imp"
     holder = subprocess.Popen([sys.executable, "-m", "shmbuf", "import",
@@ -345,6 +348,21 @@ def test_cli_import_holds_the_buffer_until_sigterm_and_export_writes_it(tmp_path
     assert got.returncode == 1 and "no file at" in got.stderr
     got = shmbuf_cli("import", "tar:x.tgz")
     assert got.returncode == 1 and "minari:<dataset id> or swm:<file.h5>" in got.stderr
+
+
+@pytest.mark.slow
+def test_cli_import_of_a_missing_dataset_says_what_the_cli_can_do(tmp_path):
+    env = dict(os.environ, MINARI_DATASETS_PATH=str(tmp_path))
+    got = shmbuf_cli("import", "minari:test/absent-v0", env=env)
+    assert got.returncode == 1 and "--download" in got.stderr, got.stderr
+    assert "download=True" not in got.stderr and "test/absent-v0" in got.stderr
+    got = shmbuf_cli("import", f"swm:{tmp_path / 'a.h5'}", "--download", env=env)
+    assert got.returncode == 1 and "--download fetches Minari datasets" in got.stderr
+
+
+def test_from_minari_checks_download():
+    with pytest.raises(TypeError, match="download must be True or False, got 'yes'"):
+        from_minari("test/absent-v0", download="yes")
 
 
 @pytest.mark.slow

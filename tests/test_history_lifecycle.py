@@ -225,7 +225,7 @@ def test_shmbuf_attach_adopts_a_history_buffer_and_gc_spares_it(capsys):
         with shmbuf.attach(name, own=True, handle_signals=False) as buf:
             assert isinstance(buf, HistoryBuffer) and buf.owner and len(buf) == 0
             assert buf.num_strided([0]) == [5]
-            assert cli.main(["gc"]) == 0
+            assert cli.main(["gc", name]) == 0
             assert shm_exists(name)  # its creator is dead, but its owner now is alive
             assert cli.main(["info", name]) == 0
             assert f"pid {os.getpid()} alive adopted" in capsys.readouterr().out

@@ -236,7 +236,7 @@ def test_shmbuf_rm_and_gc_mark_closed_before_removing(command, capsys):
         buf = None
     worker = start_worker(name) if command == "rm" else start_sampler(name)
     try:
-        assert cli.main(["rm", "--force", name] if command == "rm" else ["gc"]) == 0
+        assert cli.main(["rm", "--force", name] if command == "rm" else ["gc", name]) == 0
         report = worker.json()
         assert ("'shmbuf rm'" if command == "rm" else "'shmbuf gc'") in report["error"]
         assert worker.wait() == 0

@@ -33,9 +33,22 @@ def _import(args):
 
     kind, rest = parse_source(args.source, "source")
     keys = args.keys.split(",") if args.keys else None
-    if kind == "minari":
-        return from_minari(rest, name=args.name, capacity=args.capacity, keys=keys)
-    return from_swm_hdf5(rest, name=args.name, capacity=args.capacity, keys=keys)
+    if kind == "swm":
+        if args.download:
+            raise ValueError(f"--download fetches Minari datasets; {args.source!r} is a local "
+                             "stable-worldmodel file")
+        return from_swm_hdf5(rest, name=args.name, capacity=args.capacity, keys=keys)
+    try:
+        return from_minari(rest, name=args.name, capacity=args.capacity, keys=keys,
+                           download=args.download)
+    except FileNotFoundError as exc:
+        if args.download or "download" not in str(exc):
+            raise
+        # Minari's own advice names its Python keyword; this is the CLI's.
+        raise FileNotFoundError(
+            f"Minari dataset {rest!r} is not held locally (MINARI_DATASETS_PATH or "
+            "~/.minari/datasets); add --download to fetch it from Minari's remote, or "
+            "'minari download ID' first") from None
 
 
 def run_import(args) -> int:

@@ -37,11 +37,13 @@ _CONVENTION = ("reward", "is_first", "done")
 TRUNCATED = "truncated"  # Minari's flag, row by row (row 0: False); see the module docstring
 
 
-def _open(dataset):
+def _open(dataset, download: bool = False):
     import minari
 
+    if not isinstance(download, bool):
+        raise TypeError(f"from_minari: download must be True or False, got {download!r}")
     if isinstance(dataset, str):
-        return minari.load_dataset(dataset)
+        return minari.load_dataset(dataset, download=download)
     if not isinstance(dataset, minari.MinariDataset):
         raise TypeError(f"dataset must be a minari.MinariDataset or a local dataset id (str), "
                         f"got {type(dataset).__name__}")
@@ -118,7 +120,7 @@ def _meta(ds, obs_space) -> dict:
 
 def from_minari(dataset, *, name: str | None = None, capacity: int | None = None,
                 episodes=None, keys=None, seed=None, progress: bool | None = None,
-                block_bytes: int = BLOCK_BYTES):
+                block_bytes: int = BLOCK_BYTES, download: bool = False):
     """A new buffer holding a Minari dataset's episodes, oldest first (this process owns it).
 
     Rows follow ``shmbuf.gym``'s step convention (module docstring): an
@@ -143,6 +145,8 @@ def from_minari(dataset, *, name: str | None = None, capacity: int | None = None
         seed: the buffer's sampling seed, as in ``shmbuf.create``.
         progress: a tqdm bar on stderr: None (default) if it is a terminal.
         block_bytes: RAM held for one block of rows.
+        download: fetch a dataset id that is not held locally from Minari's
+            remote (``minari.load_dataset(id, download=True)``).
 
     Returns:
         The owning ``Buffer``: closing it unlinks it.
@@ -160,7 +164,7 @@ def from_minari(dataset, *, name: str | None = None, capacity: int | None = None
         >>> buf.sample_sequences(32, 16)["obs"].shape       # (16, 32, 4)
     """
     check_progress(progress)
-    ds = _open(dataset)
+    ds = _open(dataset, download)
     obs_space = _observation_space(ds, keys)
     ids = _selected(ds, episodes)
     steps = np.array([int(m["total_steps"]) for m in ds.storage.get_episode_metadata(ids)],

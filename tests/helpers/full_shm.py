@@ -57,7 +57,8 @@ def main():
     ctx = mp.get_context("spawn")
     # Their semaphores live in /dev/shm: make them first.
     reports, go_on, started = ctx.Queue(), ctx.Event(), ctx.Barrier(2)
-    with open(FILLER, "wb") as f:
+    # "x": a /dev/shm that is not the private one (its filler name taken) is left alone.
+    with open(FILLER, "xb") as f:
         os.posix_fallocate(f.fileno(), 0, FILLER_BYTES)
     spec = {"obs": ((ROW,), np.uint8), "done": ((), np.bool_)}
     buf = shmbuf.create(spec, 1 << 16, chunk_size=64, overcommit=True, seed=0)

@@ -25,7 +25,7 @@ def _session(tmp_path, body: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
          "default", str(tmp_path / "test_inner.py")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.mark.slow
@@ -76,3 +76,24 @@ def test_its_own_leak_is_removed_and_fails_the_test(tmp_path):
     finally:
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
+
+
+@pytest.mark.slow
+def test_the_dataset_tests_that_need_no_jax_run_without_it(tmp_path):
+    # A jax that cannot be imported, ahead of the real one on the path.
+    (tmp_path / "jax.py").write_text("raise ModuleNotFoundError('No module named jax', name='jax')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env.pop("SHMBUF_NAME_TAG", None)
+    env.pop("PYTEST_ADDOPTS", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+         os.path.join(TESTS_DIR, "test_datasets.py")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False)
+    if "No module named 'minari'" in run.stdout or "No module named 'h5py'" in run.stdout:
+        pytest.skip("the datasets extra is not installed")
+    summary = run.stdout.strip().splitlines()[-1]
+    assert run.returncode == 0, run.stdout + run.stderr
+    passed = int(summary.split(" passed")[0].split()[-1]) if " passed" in summary else 0
+    assert passed >= 8, run.stdout          # the HDF5, CLI and import-graph tests
+    assert "minari[create] (jax)" in run.stdout, run.stdout   # -rs names why the rest skip
