@@ -61,6 +61,34 @@ def env_worker(buf, seed, steps):
             obs = env.reset() if done else next_obs
 
 
+def wait_for_workers(buf, procs, min_steps, timeout=120.0):
+    """Print each change while the spawned workers start, until ``min_steps`` are held.
+
+    A spawned worker imports numpy and shmbuf before its first step, which
+    takes a second or more: say so, then report each worker as it joins.
+    """
+    deadline = time.monotonic() + timeout
+    seen = (-1, -1)
+    while True:
+        s = buf.stats()
+        now = (s.writers, s.steps_written)
+        if now != seen and (now[0] != seen[0] or s.steps_written >= min_steps):
+            print(f"  {s.writers}/{len(procs)} workers writing, {s.steps_written:6d} steps "
+                  "written", flush=True)
+            seen = now
+        if s.steps_written >= min_steps:
+            return
+        if not any(p.is_alive() for p in procs):
+            raise RuntimeError(f"the workers exited after {s.steps_written} steps, "
+                               f"exit codes {[p.exitcode for p in procs]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {s.steps_written} steps after {timeout} s")
+        try:
+            buf.wait_ready(min_steps=min_steps, timeout=0.05)
+        except TimeoutError:
+            pass
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -70,22 +98,26 @@ def main():
 
     ctx = mp.get_context("spawn")
     with shmbuf.create(SPEC, capacity=args.capacity, seed=0) as buf:
+        print(f"buffer {buf.name}: {args.capacity} steps of {SPEC['obs'][0]} frames; "
+              f"starting {args.workers} env workers", flush=True)
         procs = [ctx.Process(target=env_worker, args=(buf, seed, args.steps))
                  for seed in range(args.workers)]
         try:
             for p in procs:
                 p.start()
-            buf.wait_ready(min_steps=1_000, timeout=60)
+            wait_for_workers(buf, procs, min_steps=min(1_000, args.workers * args.steps))
+            print("training: sampling 16 windows of 50 steps per batch", flush=True)
             start, batches = time.perf_counter(), 0
             while any(p.is_alive() for p in procs) or batches < 10:
                 batch = buf.sample_sequences(batch_size=16, length=50)
                 done = batch["done"]  # (L, B): only the last step may be terminal
                 assert not done[:-1].any(), "a window crossed an episode boundary"
                 batches += 1
-                if batches % 25 == 0:
+                if batches % 10 == 0:
                     s = buf.stats()
-                    print(f"batches {batches:5d}  live steps {s.live_steps:6d}  "
-                          f"written {s.steps_written:6d}  writers {s.writers}", flush=True)
+                    print(f"  batch {batches:5d}  {time.perf_counter() - start:5.1f} s  "
+                          f"written {s.steps_written:6d}  held {s.live_steps:6d}  "
+                          f"workers writing {s.writers}", flush=True)
             for p in procs:
                 p.join(timeout=60)
             elapsed = time.perf_counter() - start

@@ -15,8 +15,20 @@ def test_quickstart_runs_and_summarises():
                           "--workers", "2", "--steps", "1500", "--capacity", "4000"],
                          capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stderr
-    last = got.stdout.strip().splitlines()[-1]
+    lines = got.stdout.strip().splitlines()
+    last = lines[-1]
     assert last.startswith("done: 3000 steps from 2 workers") and "exit codes [0, 0]" in last
+    # Progress from the first line: what is starting, then each worker as it
+    # joins, then training batches whose counters only grow.
+    assert lines[0].startswith("buffer ") and "starting 2 env workers" in lines[0], lines
+    joins = [tuple(map(int, re.match(r"\s+(\d+)/2 workers writing,\s+(\d+) steps", line)
+                       .groups())) for line in lines if "workers writing," in line]
+    assert joins and joins == sorted(set(joins)), lines       # each line shows a change
+    assert joins[-1][1] >= 1000 and max(j[0] for j in joins) >= 1, lines
+    batches = [tuple(map(int, re.match(r"\s+batch\s+(\d+) .* written\s+(\d+)", line).groups()))
+               for line in lines if line.lstrip().startswith("batch ")]
+    assert batches and [b for b, _ in batches] == list(range(10, 10 * len(batches) + 1, 10))
+    assert [w for _, w in batches] == sorted(w for _, w in batches), lines
 
 
 @pytest.mark.slow
