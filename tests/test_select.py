@@ -201,6 +201,34 @@ def test_draws_spread_over_processes_follow_the_formulas(filled):
         assert fit(c, got[k], probs) > P_MIN, k
 
 
+def _loader_starts(dataset, batches: int, workers: int) -> np.ndarray:
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(dataset, batch_size=None, num_workers=workers)
+    return np.concatenate([b["x"][0].numpy().copy() for _, b in zip(range(batches), loader)])
+
+
+@pytest.mark.slow
+def test_dataset_and_prefetch_draw_by_their_selector(filled):
+    """Not only valid starts (a uniform draw lands on those too): the selector's law,
+    through DataLoader workers and through the prefetch thread."""
+    buf, c = filled
+    ages = (0.0, 0.0, 1.0, 3.0)
+    mix = Mixture([(0.3, Uniform()), (0.7, AgeBuckets(ages))])
+    want_mix = 0.3 * uniform_probs(c) + 0.7 * age_bucket_probs(c, ages)
+    got = _loader_starts(buf.dataset(50, LENGTH, select=mix, seed=11), 160, workers=2)
+    assert fit(c, got, want_mix) > P_MIN
+    assert fit(c, got, uniform_probs(c)) < P_MIN
+    got = _loader_starts(buf.dataset(50, LENGTH, select=Recency(1.0), seed=12), 160, workers=0)
+    assert fit(c, got, recency_probs(c, 1.0)) > P_MIN
+    assert fit(c, got, uniform_probs(c)) < P_MIN
+    with buf.prefetch(50, LENGTH, device="cpu", select=AgeBuckets(ages), rng=13) as batches:
+        # A batch lives until the next is taken (the slots are reused): copy it.
+        got = np.concatenate([next(batches)["x"][0].numpy().copy() for _ in range(160)])
+    assert fit(c, got, age_bucket_probs(c, ages)) > P_MIN
+    assert fit(c, got, uniform_probs(c)) < P_MIN
+
+
 @pytest.mark.slow
 def test_dataset_and_prefetch_take_select(filled):
     buf, c = filled
