@@ -24,3 +24,24 @@ def update_forever(name, ids, seed, conn):
         pick = ids[rng.integers(0, len(ids), 2500)]
         buf.update_priorities(pick, rng.gamma(0.5, 2.0, len(pick)).astype(np.float32))
         conn.send_bytes(b"u")
+
+
+def update_rounds(name, ids, seed, rounds, final, start, conn):
+    """``rounds`` rounds, each begun at ``start`` (a Barrier the parent joins): one call
+    that updates 20,000 random picks of ``ids`` (repeats and all) to rising values above
+    every earlier round's, so that every pick raises its block's bound while the other
+    process does the same; ``r`` on ``conn`` after round r.  Then all of ``ids`` to
+    ``final``, and ``rounds`` on ``conn``."""
+    buf = shmbuf.attach(name)
+    try:
+        rng = np.random.default_rng(seed)
+        for r in range(rounds):
+            start.wait(60)
+            pick = ids[rng.integers(0, len(ids), 400_000)]
+            values = rng.uniform(0, r + 1, len(pick)).astype(np.float32)
+            buf.update_priorities(pick, values)
+            conn.send(r)
+        buf.update_priorities(ids, final)
+        conn.send(rounds)
+    finally:
+        buf.close()
