@@ -310,19 +310,21 @@ def test_a_shipped_cut_ends_the_episode_there(cluster, rb):
 
 def test_shares_follow_each_shards_valid_windows(cluster, rb):
     _, ids, agents = cluster
-    here = rb.writer()                       # n0: 600 steps in one episode -> 591 starts of 10
+    # 600 steps on each shard, so weighting by steps held would give 1/2 each; by valid
+    # starts of 10 it is 591 (one episode here, n0) against 50 * 3 (episodes of 12 on n1).
+    here = rb.writer()
     for s in range(600):
         here.add(wid=0, step=s, obs=np.full((3, 8, 8), s % 251, np.uint8), done=False)
-    ray.get(agents["n1"].run.remote(write_one_episode, rb, 1, 200), timeout=T)  # 191 starts
+    assert ray.get(agents["n1"].run.remote(write_aligned_episodes, rb, 1, 50, 12),
+                   timeout=T) == "shm"
     counts = np.zeros(2)
     for _ in range(40):
         batch = rb.sample_sequences(50, 10, rng=None)
         counts += [np.sum(batch["wid"][0] == 0), np.sum(batch["wid"][0] == 1)]
-    p = 591 / (591 + 191)
+    p = 591 / (591 + 150)
     n = counts.sum()
     assert abs(counts[0] / n - p) < 4 * np.sqrt(p * (1 - p) / n), counts
     here.close()
-    ray.get(agents["n1"].run.remote(close_writer, 1), timeout=T)
 
 
 def test_prioritized_shares_and_updates_go_to_the_shard_that_holds_the_step(cluster):
