@@ -49,12 +49,10 @@ def make_env():
     return gym.make("CartPole-v1")
 
 
-def actor(buf, block, stop, seed):
+def actor(buf, block, seed):
     os.nice(5)  # the trainer first: actors have more than enough data to give
-    try:
-        run_actor(make_env, buf, Policy(seed), params=block, stop=stop, seed=seed)
-    except shmbuf.BufferClosedError:
-        pass   # the trainer is done: an actor waiting on the rate limit stops here
+    # Runs until the trainer calls buf.stop_writers(), waiting on the rate limit or not.
+    run_actor(make_env, buf, Policy(seed), params=block, seed=seed)
 
 
 def world_model():
@@ -140,13 +138,12 @@ def main():
     model_opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
     limit = shmbuf.RateLimit(args.train_ratio, min_steps=2_000, writer_timeout=60)
     with shmbuf.create(spec_for(make_env()), capacity=args.capacity, seed=0,
                        rate_limit=limit) as buf, \
             ParamBlock.create(weights_of(policy)) as block:
         block.publish(weights_of(policy))
-        procs = [ctx.Process(target=actor, args=(buf, block, stop, seed))
+        procs = [ctx.Process(target=actor, args=(buf, block, seed))
                  for seed in range(args.actors)]
         try:
             for p in procs:
@@ -173,8 +170,7 @@ def main():
                               f"{time.perf_counter() - start:5.1f} s", flush=True)
             s, held = buf.stats(), len(buf.episodes())
         finally:
-            stop.set()
-            buf.close()   # actors still waiting on the rate limit stop
+            buf.stop_writers()   # every actor's next add (or the one waiting) ends its loop
             for p in procs:
                 p.join(timeout=60)
             for p in procs:

@@ -54,7 +54,7 @@ def env_worker(name: str, seed: int, steps: int, episode_len: int = 100) -> None
             done = t % episode_len == episode_len - 1
             try:
                 w.add(obs=frame_of(pos), action=action, reward=reward, done=done)
-            except shmbuf.BufferClosedError:
+            except shmbuf.WritersStoppedError:
                 return   # the trainer is done (a rate-limited add may be waiting for it)
             pos = rng.uniform(4, 28, 2) if done else np.clip(pos + action, 3, 29)
 
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
                 for p in procs:
                     p.join(60)
         finally:
-            buf.close()   # workers still waiting on the rate limit stop here
+            buf.stop_writers()   # workers still writing, or waiting on the rate limit, stop
             for p in procs:
                 p.join(60)
                 if p.is_alive():

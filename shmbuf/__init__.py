@@ -25,6 +25,7 @@ from ._errors import (
                       SharedMemoryFullError,
                       ShmbufError,
                       WaitTimeoutError,
+                      WritersStoppedError,
 )
 from ._open import attach, load
 from .compat import embodied as _embodied  # noqa: F401  # registers embodied.Replay
@@ -51,5 +52,5 @@ __all__ = [
     "NotEnoughDataError", "NoFreeChunkError", "NoFreeWriterSlotError",
     "SampleRetryError", "SampleTooLargeError", "OnPolicyBufferFullError", "MemoryFullError",
     "SchemaPendingError",
-    "WaitTimeoutError",
+    "WaitTimeoutError", "WritersStoppedError",
 ]

@@ -69,6 +69,10 @@ class WaitTimeoutError(ShmbufError, TimeoutError):
     """A ``wait_*`` call ran out of time."""
 
 
+class WritersStoppedError(ShmbufError, RuntimeError):
+    """``Buffer.stop_writers`` was called: every write raises this until ``resume_writers``."""
+
+
 class SampleTooLargeError(ShmbufError, MemoryError):
     """A sample would build a batch larger than the configured byte limit."""
 

@@ -13,7 +13,7 @@ EXPORTS = [
     "SampleTooLargeError", "SaveExistsError", "Saver",
     "SchemaPendingError", "SegmentExistsError", "SegmentNotFoundError",
     "SegmentPermissionError", "SequenceDataset", "SharedMemoryFullError", "ShmbufError",
-    "Stats", "WaitTimeoutError", "Writer", "attach", "create", "load",
+    "Stats", "WaitTimeoutError", "Writer", "WritersStoppedError", "attach", "create", "load",
 ]
 
 

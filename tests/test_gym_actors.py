@@ -6,7 +6,7 @@ import pickle
 import gymnasium as gym
 import numpy as np
 import pytest
-from helpers.gym_actors import cartpole_actor, read_versions
+from helpers.gym_actors import actor_until_stopped, cartpole_actor, read_versions
 
 import shmbuf
 from shmbuf.gym import run_actor, spec_for
@@ -161,6 +161,33 @@ def test_spawned_actors_record_with_the_newest_weights():
         assert buf.stats().writers == 0
 
 
+@pytest.mark.slow
+def test_actors_end_when_the_trainer_stops_the_writers():
+    """Actors without steps= or stop=, held back by the rate limit while the trainer
+    samples: stop_writers ends them (the README's pattern), each with its counts."""
+    ctx = mp.get_context("spawn")
+    env = gym.make("CartPole-v1")
+    limit = shmbuf.RateLimit(4.0, min_steps=64, writer_timeout=300.0)
+    with shmbuf.create(spec_for(env), capacity=20_000, seed=0, rate_limit=limit) as buf:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=actor_until_stopped, args=(buf, seed, out))
+                 for seed in range(2)]
+        try:
+            for p in procs:
+                p.start()
+            for _ in range(20):
+                buf.sample_sequences(4, 8, timeout=60)
+            buf.stop_writers()
+            results = [out.get(timeout=60) for _ in procs]
+        finally:
+            stop_all(procs)
+        assert [p.exitcode for p in procs] == [0, 0]
+        # An actor that started late may have waited from its first row on: 0 steps.
+        assert all(r["stopped"] for r in results) and sum(r["steps"] for r in results) > 0, \
+            results
+        assert buf.stats().writers == 0
+
+
 def balanced_streams(buf) -> int:
     """Streams with two episodes that lasted all 500 steps (501 rows): the new weights balance."""
     eps = buf.episodes()
@@ -182,5 +209,3 @@ def test_run_actor_in_process_with_a_vector_env():
                         lambda obs, w: np.zeros(len(obs), np.int64), steps=100, seed=0)
         assert got["steps"] == 100 and got["episodes"] >= 8 and got["version"] == 0
         assert len(buf) == 2 + 200 and buf.stats().writers == 0
-        with pytest.raises(ValueError, match="never ends"):
-            run_actor(lambda: gym.make("CartPole-v1"), buf, lambda o, w: 0)

@@ -98,8 +98,11 @@ class ReplayBuffer(TransitionFacade):
                 information in its column (float frames into uint8, a ``done``
                 other than 0 or 1); the message names the argument.
             ValueError: a value has the wrong shape.
-            BufferClosedError: the buffer was closed in this process (nothing
-                is written when any of these is raised).
+            BufferClosedError: the buffer was closed in this process.
+            WritersStoppedError: ``rb.buffer.stop_writers()`` was called (in any
+                process; also while this add waited for the train ratio):
+                the adding loop should end.
+            Nothing is written when any of these is raised.
 
         Example:
             >>> rb.add({"image": np.zeros((3, 64, 64), np.uint8)}, np.zeros(6), 0.0, 0.0)

@@ -15,7 +15,7 @@ import numpy as np
 from gymnasium.error import ResetNeeded
 from gymnasium.vector import AutoresetMode, VectorWrapper
 
-from .._errors import BufferClosedError
+from .._errors import BufferClosedError, WritersStoppedError
 from . import _spaces
 from ._spaces import CONVENTION
 
@@ -210,7 +210,7 @@ class RecordEpisodes(gym.Wrapper):
         """
         if not self._closed:
             self._closed = True
-            with contextlib.suppress(BufferClosedError):
+            with contextlib.suppress(BufferClosedError, WritersStoppedError):
                 if self._open and self._stepped:
                     self._writer.end_episode()
             self._open = False
@@ -365,7 +365,7 @@ class RecordVectorEpisodes(VectorWrapper):
         """
         if not self._recorder_closed:
             self._recorder_closed = True
-            with contextlib.suppress(BufferClosedError):
+            with contextlib.suppress(BufferClosedError, WritersStoppedError):
                 for i in np.flatnonzero(self._open & self._stepped).tolist():
                     self._sink.cut(i)
             self._open[:] = False

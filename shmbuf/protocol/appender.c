@@ -2,7 +2,7 @@
  * appender.c: the writer's fast path (Appender) and stream_copy, the copy of
  * Writer.extend's runs.
  *
- * Memory orders: the header's closed word and the clock are read relaxed
+ * Memory orders: the header's closed and writers_stopped words and the clock are read relaxed
  * before the copy (the checks are repeated where they matter: the rate gate's
  * CAS); the copy itself is plain or streaming stores, then a store fence
  * (stream_fence) where it streamed; the clock is a relaxed fetch-add (or the
@@ -77,7 +77,8 @@ stream_fence(void)
  *     and shape, nor a Python bool/int/float that the column holds exactly
  *     (_cast.scalar_fast_path's rules), a float done value is not exactly 0
  *     or 1, a stream's chunk is full, the
- *     buffer's closed word is set (the Python path decides what that means),
+ *     buffer's closed word or its writers_stopped word is set (the Python
+ *     path decides what that means),
  *     or the rate limiter (`gate`) does not admit the first step now (checked
  *     before the copy, and again by the reserving CAS after it; only a lost
  *     race leaves written, unpublished rows, which the Python path rewrites).  The
@@ -116,6 +117,7 @@ typedef struct {
     Py_ssize_t steps_off;    /* the slot's step counter */
     Py_ssize_t clock_off;    /* the header's clock */
     Py_ssize_t closed_off;   /* the header's closed word */
+    Py_ssize_t stopped_off;  /* the header's writers_stopped word (Buffer.stop_writers) */
     const RateOffs *rate;    /* the rate limiter's words (the gate's), NULL: not limited */
 } Appender;
 
@@ -222,6 +224,7 @@ appender_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         goto fail;
     clock_off = g.clock;
     closed_off = g.closed;
+    self->stopped_off = g.stopped;
     self->keep = Py_BuildValue("(OOOOOOOOOOO)", views, ep_view, t_view, fill, base, rows,
                                count_off, ep, left, names, gate);
     if (!self->keep)
@@ -490,6 +493,8 @@ append(Appender *self, PyObject *columns, int batch)
     if (!PyDict_CheckExact(columns) || PyDict_GET_SIZE(columns) != self->ncols
         || self->ncols > MAX_FAST_COLUMNS
         || atomic_load_explicit((atomic_u64 *)((char *)self->mm.buf + self->closed_off),
+                                memory_order_relaxed)
+        || atomic_load_explicit((atomic_u64 *)((char *)self->mm.buf + self->stopped_off),
                                 memory_order_relaxed))
         return PyLong_FromLong(-1);
     /* A step the rate limiter would make wait: the Python path waits (copying nothing here). */

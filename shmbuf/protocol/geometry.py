@@ -92,6 +92,7 @@ def geometry_of(layout: Layout) -> dict[str, Any]:
         "ticket": COUNTERS["ticket"],
         "clock": COUNTERS["clock"],
         "closed": COUNTERS["closed"],
+        "stopped": COUNTERS["writers_stopped"],
         "replayed": COUNTERS["replayed"],
         **{f"rate_{f}": COUNTERS["rate"] + RATE_FIELDS[f]
            for f in ("flags", "ratio", "min_steps", "tolerance", "base")},

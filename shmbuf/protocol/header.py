@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import os
 
-from .._errors import BufferClosedError
+from .._errors import BufferClosedError, WritersStoppedError
 from ..posix.procs import is_alive
 from . import _atomic as atomic
 from .layout import CLOSED_BY, LAYOUT_VERSION, MAGIC, read_field
-from .words import _CLOSED, _OWNER, _OWNER_STAMP, _U32
+from .words import _CLOSED, _OWNER, _OWNER_STAMP, _STOPPED, _U32
 
 
 # -- the header ------------------------------------------------------------------
@@ -97,6 +97,42 @@ class ClosedMark:
         word = self.view[0]
         if word and self.exempt_pid != (os.getpid() if pid is None else pid):
             raise BufferClosedError(closed_message(self.name, word))
+
+
+# -- writers stopped (Buffer.stop_writers) ------------------------------------------
+# One word beside the closed word (its line): 0 while writers may write, else the
+# pid of the process that stopped them.  Writers load it on every add with the
+# closed word; the rate limiter's waits load it on every poll, so a waiting
+# writer wakes within a poll interval.
+def stop_writers(mm, pid: int) -> None:
+    """Stop every writer of the buffer (in every process) until ``resume_writers``."""
+    atomic.store_release(mm, _STOPPED, pid)
+
+
+def resume_writers(mm) -> None:
+    atomic.store_release(mm, _STOPPED, 0)
+
+
+def writers_stopped(mm) -> int:
+    """0 while writers may write, else the pid that stopped them."""
+    return atomic.load_acquire(mm, _STOPPED)
+
+
+class StopMark:
+    """The writers_stopped word of one mapping, checked with one relaxed load (as ClosedMark)."""
+
+    def __init__(self, mm, name):
+        self.view = memoryview(mm)[_STOPPED:_STOPPED + 8].cast("Q")
+        self.name = name
+
+    def check(self) -> None:
+        """Raise WritersStoppedError if someone stopped the buffer's writers."""
+        pid = self.view[0]
+        if pid:
+            raise WritersStoppedError(
+                f"buffer {self.name!r}: its writers were stopped by Buffer.stop_writers() "
+                f"(pid {pid}); nothing was written. A worker loop ends here; "
+                "Buffer.resume_writers() lets writers write again")
 
 
 def closed_message(name, word: int) -> str:

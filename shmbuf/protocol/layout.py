@@ -35,6 +35,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   704  owner          Q    atomic: owner record, lease << 32 | pid; adoption takes it by CAS
   768  owner_stamp    Q    atomic: the owner's start time << 16 | low 16 bits of its lease
   832  closed         Q    atomic: 0 while open; reason << 32 | pid of who closed it (CLOSED_BY)
+  840  writers_stopped  Q  atomic: 0, or the pid that stopped the writers
   896  sampled_rows   Q    atomic: rows (steps) returned by sample calls
   960  max_priority   Q    atomic: 1 << 32 | float32 bits of the largest priority ever set;
                            0: none yet
@@ -49,7 +50,8 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    ..  priority trees with priorities=True only, see PRIORITY_REGIONS
 
 Every atomic counter, slot, chunk and episode entry owns a 64-byte cache
-line, so that writers touching different entries never share a line.  The
+line, so that writers touching different entries never share a line
+(but writers_stopped, which shares closed's on purpose: ``SHARES_LINE``).  The
 magic is written last, with release order, by ``_ring.publish_header``: an
 attacher that sees it sees the whole header.  Only ``_ring`` (and
 ``keyed``'s own protocol) load or store the atomic words; everything else
@@ -142,7 +144,10 @@ HEADER_FIELDS = {
 COUNTERS = {"ticket": 128, "next_stream": 192, "evicted": 256, "clock": 320, "samples": 384,
             "replayed": 448, "serial": 512, "rate": 576,
             "episode_ticket": 640, "owner": 704, "owner_stamp": 768, "closed": 832,
-            "sampled_rows": 896, "max_priority": 960}
+            "sampled_rows": 896, "max_priority": 960, "writers_stopped": 840}
+# The one word that shares a line on purpose: writers load it beside "closed" on
+# every add, so the two cost one cache line (and nobody stores either often).
+SHARES_LINE = {"writers_stopped": "closed"}
 # The rate limiter's line (at COUNTERS["rate"]): flags (RATE_ON, RATE_BLOCK_WRITERS,
 # RATE_AUTO_TOLERANCE), train_ratio and writer_timeout as IEEE double bits (timeout:
 # all ones for None), min_steps, tolerance as double bits (auto: train_ratio, then

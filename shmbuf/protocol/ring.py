@@ -36,7 +36,7 @@ from ..posix.space import Space
 from . import _atomic as atomic
 from .geometry import geometry_of
 from .geometry import pack as pack_geometry
-from .header import ClosedMark, closed_word
+from .header import ClosedMark, StopMark, closed_word
 from .layout import (
     CHUNK_ENTRY,
     CHUNK_FIELDS,
@@ -156,6 +156,7 @@ class Ring:
         self.mark = mark = ClosedMark(mm, name)   # this handle's: see ClosedMark
         self.closed_view = mark.view   # the writer's C fast path reads it too
         self.check_open = mark.check   # check_open(pid): see ClosedMark
+        self.stop_mark = StopMark(mm, name)   # writers_stopped: writers check it beside closed
         n, k = layout.n_chunks, layout.chunk_size
         self.chunk_table = np.frombuffer(mm, dtype="<u8", count=n * CHUNK_ENTRY // 8,
                                          offset=layout.chunks_offset).reshape(n, -1)

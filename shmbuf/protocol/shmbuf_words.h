@@ -112,6 +112,7 @@ word_at(Py_buffer *view, Py_ssize_t offset)
     /* columns and header words (byte offsets in the mapping) */                         \
     S(ep_at)                  /* the int64 episode column */                             \
     S(ticket) S(clock) S(closed) S(replayed)                                             \
+    S(stopped)                /* writers_stopped: Buffer.stop_writers */                 \
     /* the rate limiter's words */                                                       \
     S(rate_flags) S(rate_ratio) S(rate_min_steps) S(rate_tolerance) S(rate_base)         \
     /* priorities (all 0 for a buffer without them) */                                   \
@@ -223,7 +224,7 @@ shm_geometry_get(PyObject *geo, Py_ssize_t len, ShmGeometry *g)
         PyErr_SetString(PyExc_ValueError, "geometry does not fit the buffer");
         return -1;
     }
-    int64_t words[] = {g->ticket, g->clock, g->closed, g->replayed, g->rate_flags,
+    int64_t words[] = {g->ticket, g->clock, g->closed, g->stopped, g->replayed, g->rate_flags,
                        g->rate_ratio, g->rate_min_steps, g->rate_tolerance, g->rate_base};
     for (size_t w = 0; w < sizeof(words) / sizeof(words[0]); w++) {
         if (!shm_is_word(words[w], len)) {

@@ -22,5 +22,6 @@ _EPISODE_BODY = ("stream", "chunk", "chunk_seq", "offset", "length", "ep", "flag
 
 # Counter lines (byte offsets in the header).
 _CLOSED, _OWNER, _OWNER_STAMP = COUNTERS["closed"], COUNTERS["owner"], COUNTERS["owner_stamp"]
+_STOPPED = COUNTERS["writers_stopped"]
 _CLOCK = COUNTERS["clock"]
 _REPLAYED, _RATE = COUNTERS["replayed"], COUNTERS["rate"]

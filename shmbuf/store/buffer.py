@@ -15,7 +15,8 @@ from ..posix import signals as _signals
 from ..posix.procs import my_start_time
 from ..posix.space import check_fits
 from ..posix.wait import check_timeout, poll
-from ..protocol.header import owner_alive, owner_record
+from ..protocol.header import (owner_alive, owner_record, resume_writers, stop_writers,
+                               writers_stopped)
 from ..protocol.layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ..protocol.ring import Ring
 from ..sampling.rng import ProcessRandom
@@ -59,6 +60,7 @@ class Stats:
     rate: RateStats | None = None   # the rate limiter's counters, if the buffer has one
     reserved_bytes: int = 0
     total_bytes: int = 0
+    writers_stopped: bool = False   # Buffer.stop_writers() is in force
 
 
 class Buffer(Reads, Checkpoints, Shared):
@@ -80,7 +82,8 @@ class Buffer(Reads, Checkpoints, Shared):
         self._views = column_views(segment, layout, layout.columns)
         self._finder = WindowFinder(self._ring)
         self._limiter = Limiter.of(self._ring.rate, segment.name,
-                                   pid_check(self._ring, self._check_open))
+                                   pid_check(self._ring, self._check_open),
+                                   self._ring.stop_mark.check)
         self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
         self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._savers = set()
@@ -187,7 +190,42 @@ class Buffer(Reads, Checkpoints, Shared):
         self._check_live()
         limit = self._limiter if limited and self._limiter and self._limiter.block_writers \
             else None
-        return Writer(self._ring, self._views, self._check_open, self._pages.populate, limit)
+        return Writer(self._ring, self._views, self._check_open, self._pages.populate, limit,
+                      stoppable=limited)
+
+    def stop_writers(self) -> None:
+        """Stop every writer of this buffer, in every process, until ``resume_writers``.
+
+        Each write after it (``add``, ``add_batch``, ``extend``,
+        ``end_episode``, by any writer, new ones included) raises
+        ``WritersStoppedError`` and writes nothing, and a writer waiting for
+        the rate limit wakes within a few milliseconds and raises it too, so
+        worker loops end and can be joined (a loop that catches the error
+        ends cleanly).  Samplers are not affected.  The stop lasts until
+        ``resume_writers()``: it does not undo itself, and closing the
+        buffer makes it moot.  Idempotent; any attached process may call it.
+
+        Raises:
+            BufferClosedError: this handle or the buffer is closed.
+
+        Example:
+            >>> buf.stop_writers()          # the workers' add() raise WritersStoppedError
+            >>> for p in workers: p.join()
+        """
+        self._check_live()
+        stop_writers(self._ring.mm, os.getpid())
+
+    def resume_writers(self) -> None:
+        """Undo ``stop_writers``: writes go through again (a writer that raised may go on).
+
+        Raises:
+            BufferClosedError: this handle or the buffer is closed.
+
+        Example:
+            >>> buf.resume_writers()        # start new workers for the next phase
+        """
+        self._check_live()
+        resume_writers(self._ring.mm)
 
     @property
     def rate_limit(self) -> RateLimit | None:
@@ -236,7 +274,8 @@ class Buffer(Reads, Checkpoints, Shared):
                      len(self._ring.live_writers()), c.streams, c.samples,
                      owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
                      None if self._limiter is None else self._limiter.stats(),
-                     self._space.reserved_bytes() if self._space else 0, lay.total_bytes)
+                     self._space.reserved_bytes() if self._space else 0, lay.total_bytes,
+                     bool(writers_stopped(self._ring.mm)))
 
     # -- episodes and rows ------------------------------------------------------------
     def committed_rows(self) -> np.ndarray:

@@ -147,16 +147,19 @@ class RateStats:
 class Limiter:
     """One process's handle on a buffer's rate limit (made by ``Buffer`` when it has one)."""
 
-    def __init__(self, words: RateWords, name: str, check_open):
+    def __init__(self, words: RateWords, name: str, check_open, check_writing=None):
         self.words, self.name, self._check_open = words, name, check_open
+        self._check_writing = check_writing   # Buffer.stop_writers ends an insert's wait
         flags, self.ratio, self.min_steps, self.writer_timeout = words.config()
         self.block_writers = bool(flags & RATE_BLOCK_WRITERS)
         self.auto = bool(flags & RATE_AUTO_TOLERANCE)
         self._tolerance = words.tolerance()   # a lower bound: the word only widens
 
     @classmethod
-    def of(cls, words: RateWords, name: str, check_open) -> "Limiter | None":
-        return cls(words, name, check_open) if words.config()[0] & RATE_ON else None
+    def of(cls, words: RateWords, name: str, check_open,
+           check_writing=None) -> "Limiter | None":
+        return cls(words, name, check_open, check_writing) if words.config()[0] & RATE_ON \
+            else None
 
     def limit(self) -> RateLimit:
         """The ``RateLimit`` this buffer was created with."""
@@ -205,15 +208,17 @@ class Limiter:
             return True
 
         self._wait("insert", ready, self.writer_timeout,
-                   lambda: f"an insert of {n} step{'s' * (n != 1)}")
+                   lambda: f"an insert of {n} step{'s' * (n != 1)}", self._check_writing)
         return got[0]
 
     # -- waiting and counters -------------------------------------------------------------
-    def _wait(self, side: str, ready, timeout: float | None, what) -> None:
+    def _wait(self, side: str, ready, timeout: float | None, what, check=None) -> None:
         start = time.monotonic_ns()
 
         def attempt():
             self._check_open()   # a worker waiting on a closed buffer stops
+            if check is not None:
+                check()          # and a writer whose writers were stopped
             return ready()
 
         try:

@@ -40,12 +40,15 @@ class Writer:
 
     def __init__(self, ring: Ring, views: dict[str, np.ndarray],
                  check_open: Callable[[], None], on_claim: Callable[[int], None] | None = None,
-                 limit=None):
+                 limit=None, stoppable: bool = True):
         """Internal: ``Buffer.writer()`` builds writers from its ring and column views
-        (``limit``: the buffer's rate limiter, when it makes writers wait)."""
+        (``limit``: the buffer's rate limiter, when it makes writers wait;
+        ``stoppable``: whether ``Buffer.stop_writers`` stops it, as it stops
+        every writer but a restore's)."""
         lay: Layout = ring.layout
         self._ring = ring
         self._closed_word = ring.closed_view  # the header's closed word, read on every call
+        self._stop = ring.stop_mark if stoppable else None  # its word is read beside it
         self._check_open = check_open
         self._on_claim = on_claim
         self._limit = limit
@@ -78,6 +81,8 @@ class Writer:
         self._check_open()
         if self._closed_word[0]:  # one relaxed load: the owner closed it, this worker stops
             self._ring.check_open(self._pid)
+        if self._stop is not None:
+            self._stop.check()    # one relaxed load: Buffer.stop_writers ends worker loops
 
     def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
@@ -117,6 +122,9 @@ class Writer:
                 written.
             BufferClosedError: the writer or the buffer is closed, here or by
                 its owner in another process (or by ``shmbuf rm`` / ``gc``).
+            WritersStoppedError: ``Buffer.stop_writers()`` was called, in
+                any process, also while this step waited for the rate limit;
+                nothing was published.
             WaitTimeoutError: the buffer's rate limit (``RateLimit``, with
                 ``block_writers``) made the step wait ``writer_timeout``
                 seconds for samples; nothing was published.
@@ -248,6 +256,7 @@ class Writer:
                 a run longer than the capacity, a wrong shape, a lossy cast
                 or a ``done`` that is not 0/1; nothing is written.
             BufferClosedError: the writer or the buffer is closed.
+            WritersStoppedError: ``Buffer.stop_writers()`` was called.
             WaitTimeoutError: as ``add``; the chunk segments of the run
                 published before the wait stay (a reader sees a prefix).
             SharedMemoryFullError: /dev/shm had no room for the next chunk;
@@ -335,6 +344,7 @@ class Writer:
         Raises:
             IndexError: ``env`` is not one of this writer's env streams.
             BufferClosedError: the writer or the buffer is closed.
+            WritersStoppedError: ``Buffer.stop_writers()`` was called.
         """
         self._check()
         if env is None:

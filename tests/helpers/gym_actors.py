@@ -28,3 +28,9 @@ def read_versions(block, n_reads, out):
         values = np.concatenate([v.reshape(-1).astype(np.float64) for v in params.values()])
         torn += int(not (values == version).all())
     out.put((torn, len(seen)))
+
+
+def actor_until_stopped(buffer, seed, out):
+    """run_actor with neither steps nor stop: it ends when the trainer stops the writers."""
+    out.put(run_actor(functools.partial(gym.make, "CartPole-v1"), buffer,
+                      lambda obs, weights: 0, seed=seed))
