@@ -97,7 +97,7 @@ def _writer(buf, seed: int, stop, added) -> None:
             w.add(obs=frame, reward=np.float32(t), done=np.bool_(t % 500 == 499))
             t += 1
             added[seed] = t   # this writer's own count, read by the trainer
-    except (shmbuf.BufferClosedError, shmbuf.WaitTimeoutError):
+    except (shmbuf.WritersStoppedError, shmbuf.BufferClosedError, shmbuf.WaitTimeoutError):
         pass
 
 
@@ -141,7 +141,8 @@ def held_ratio(ratio: float, seconds: float, writers: int = 4) -> dict:
                 "writer_wait_s": end.insert_wait_s - start.insert_wait_s}
     finally:
         stop.set()
-        buf.close()                                        # waiting writers stop too
+        buf.stop_writers()                                 # waiting writers stop too
+        buf.close()
         for p in procs:
             p.join(30)
             if p.is_alive():

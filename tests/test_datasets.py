@@ -63,6 +63,24 @@ class BothEnv(DictEnv):
         return self.observation_space.sample(), 1.0, self.t == 3, False, {}
 
 
+class ImageEnv(DictEnv):
+    """A Dict observation holding a 32x32 RGB image (its space's JSON is ~35 kB, far past
+    the header's old 1 kB), a Tuple and a Discrete; Tuple actions."""
+
+    observation_space = spaces.Dict({
+        "img": spaces.Box(0, 255, (32, 32, 3), np.uint8),
+        "pos": spaces.Box(-1, 1, (2,), np.float32),
+        "k": spaces.Discrete(5),
+        "pair": spaces.Tuple((spaces.Discrete(3), spaces.Box(0, 1, (2,), np.float32)))})
+    action_space = spaces.Tuple((spaces.Discrete(4), spaces.Box(-2, 2, (2,), np.float32)))
+
+
+class PixelEnv(DictEnv):
+    """A bare 32x32 RGB image observation (a large space) and bounded Box actions."""
+
+    observation_space = spaces.Box(0, 255, (32, 32, 3), np.uint8)
+
+
 class TextEnv(DictEnv):
     observation_space = spaces.Text(8)
 
@@ -92,6 +110,8 @@ def minari_root(tmp_path_factory):
         collect(gym.make("CartPole-v1", max_episode_steps=25), "test/cartpole-v0", 300)
         collect(gym.wrappers.TimeLimit(DictEnv(), 9), "test/dict-v0", 200)
         collect(gym.wrappers.TimeLimit(BothEnv(), 3), "test/both-v0", 10)  # stops mid-episode
+        collect(gym.wrappers.TimeLimit(ImageEnv(), 7), "test/image-v0", 60)
+        collect(gym.wrappers.TimeLimit(PixelEnv(), 7), "test/pixel-v0", 30)
         yield root
     finally:
         if old is None:
@@ -174,6 +194,35 @@ def test_dict_observations_become_columns_and_round_trip(minari_root):
         assert [k for k in buf.spec if k.startswith("obs")] == ["obs_pos"]
         first = buf.read_episode(int(buf.episodes().index[0]))
         assert np.array_equal(first["obs_pos"], ds[2].observations["pos"])
+
+
+@pytest.mark.slow
+def test_image_dict_tuple_and_discrete_spaces_round_trip_with_their_spaces(minari_root,
+                                                                            tmp_path):
+    ds = minari.load_dataset("test/image-v0")
+    with from_minari(ds) as buf:
+        assert buf.meta["observation_space"]            # kept, however large
+        back = to_minari(buf, "test/image-back-v0")
+        assert back.observation_space == ds.observation_space
+        assert back.action_space == ds.action_space
+        assert_same_dataset(ds, back)
+        # The CLI's export gives the same dataset, spaces included.
+        got = shmbuf_cli("export", buf.name, "--to", "minari:test/image-cli-v0",
+                         env=dict(os.environ, MINARI_DATASETS_PATH=str(minari_root)))
+        assert got.returncode == 0, got.stderr
+    cli_back = minari.load_dataset("test/image-cli-v0")
+    assert cli_back.observation_space == ds.observation_space
+    assert cli_back.action_space == ds.action_space
+    assert_same_dataset(ds, cli_back)
+
+
+@pytest.mark.slow
+def test_a_space_passed_by_hand_keeps_the_other_recorded_space(minari_root):
+    ds = minari.load_dataset("test/pixel-v0")
+    with from_minari(ds) as buf:
+        back = to_minari(buf, "test/pixel-hand-v0", observation_space=ds.observation_space)
+    assert back.action_space == ds.action_space          # not a Box(-inf, inf)
+    assert_same_dataset(ds, back)
 
 
 @pytest.mark.slow

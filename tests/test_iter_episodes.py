@@ -52,6 +52,24 @@ def test_open_episodes_on_request(make_buffer):
     assert [_ident(e) for e in every] == finished + [(0, 2, 30), (1, 0, 45)]
 
 
+@pytest.mark.parametrize("episode_len", [128, 129])
+def test_open_episodes_of_writers_adding_in_turn(make_buffer, episode_len):
+    """Two writers adding in turn, so each stream's chunks alternate with the other's in
+    rows; an open episode that begins exactly at a chunk boundary (after a done at step
+    127 with chunks of 64) or one step past it is found for both writers."""
+    buf = make_buffer(SPEC, 4000, chunk_size=64)
+    with buf.writer() as w0, buf.writer() as w1:
+        for s0, s1 in zip(episode_steps(0, 200, episode_len), episode_steps(1, 200, episode_len)):
+            w0.add(**s0)
+            w1.add(**s1)
+        every = list(buf.iter_episodes(include_open=True))
+    for ep in every:
+        _check(ep)
+    opened = 200 - episode_len
+    assert sorted(_ident(e) for e in every) == [(0, 0, episode_len), (0, 1, opened),
+                                                (1, 0, episode_len), (1, 1, opened)]
+
+
 def test_only_the_held_part_of_an_open_episode_and_no_recycled_finished_one(make_buffer):
     buf = make_buffer(SPEC, 256, chunk_size=16)
     with buf.writer() as w:
