@@ -126,19 +126,29 @@ def open_episodes(ring: Ring, finder: WindowFinder, views: dict, names: list[str
 
 
 def _open_stretch(ring: Ring, live, idx: list[int], ep_col: np.ndarray, ep: int):
-    """(first row, rows) of the run of episode ``ep`` that ends the stream's chunks ``idx``."""
+    """(first row, rows) of the run of episode ``ep`` that ends the stream's chunks ``idx``.
+
+    Walks back along the stream's links: a stream's chunks lie anywhere in
+    the rows (writers claim chunks in turn), so the chunk before is the
+    predecessor only if it links to this one, and an episode that begins at
+    a chunk's first row begins at that chunk's base, not after the chunk
+    before it.
+    """
+    chunks = np.asarray(live.chunk)[idx]
+    nxt, nxt_seq = ring.links(chunks)
     start, length = 0, 0
     for pos in range(len(idx) - 1, -1, -1):
         i = idx[pos]
         base, count = int(live.base[i]), int(live.count[i])
         differ = np.flatnonzero(ep_col[base:base + count] != ep)
-        if len(differ):                  # the episode begins inside this chunk
+        if len(differ):
             first = int(differ[-1]) + 1
-            return base + first, length + count - first
+            if first == count:           # it begins with the chunk after this one
+                return start, length
+            return base + first, length + count - first   # it begins inside this chunk
         start, length = base, length + count
         if pos == 0:
             break
-        before = idx[pos - 1]
-        if int(live.count[before]) != int(ring.chunk_rows[live.chunk[before]]):
-            break                        # not full, so not linked to this one
+        if (int(nxt[pos - 1]), int(nxt_seq[pos - 1])) != (int(chunks[pos]), int(live.seq[i])):
+            break                        # the chunk before is not this one's predecessor
     return start, length
