@@ -154,7 +154,7 @@ def cmd_info(args) -> int:
         if space is not None:
             print(f"reserved     {_human(space.reserved_bytes())} of /dev/shm")
         print(f"owner        {info.state()}")
-        print(f"meta         {info.owner['meta']}")
+        print(f"meta         {_short_meta(info.owner['meta'])}")
         if info.keyed:
             print(f"capacity     {lay.n_chunks} keys x {info.owner['meta']['max_len']} entries")
             print(f"live entries {info.live()}")
@@ -186,6 +186,14 @@ def cmd_info(args) -> int:
     finally:
         info.close()
     return 0
+
+
+def _short_meta(meta: dict, limit: int = 300) -> str:
+    """The metadata as printed, or its keys and size when it is long (a space's bounds)."""
+    text = str(meta)
+    if len(text) <= limit:
+        return text
+    return f"{len(text)} characters, keys {sorted(meta)} (shmbuf.attach(NAME).meta has it all)"
 
 
 def _describe(pid: int) -> str:

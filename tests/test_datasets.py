@@ -125,6 +125,10 @@ def same_value(a, b, where):
         assert sorted(a) == sorted(b), where
         for k in a:
             same_value(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b), where
+        for k, (x, y) in enumerate(zip(a, b)):
+            same_value(x, y, f"{where}[{k}]")
     else:
         assert a.dtype == b.dtype and a.shape == b.shape, (where, a.dtype, b.dtype)
         assert np.array_equal(a, b), where

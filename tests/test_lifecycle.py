@@ -854,3 +854,28 @@ def test_shmbuf_attach_maps_the_segment_and_reads_its_header_once(monkeypatch):
     finally:
         for obj in made:
             obj.close()
+
+
+def test_long_metadata_is_kept_whole_and_attachers_read_it(make_buffer):
+    # A Box space's bounds for a 64x64x3 image: far past the header's 1 KiB.
+    meta = {"bounds": list(range(30_000)), "note": "x" * 5000}
+    buf = make_buffer(SPEC, 64, meta=meta)
+    other = shmbuf.attach(buf.name)
+    try:
+        assert other.meta == meta and buf.meta == meta
+        write_steps(buf, 0, 64, 8)   # the room lies between the index and the rows
+        again = shmbuf.attach(buf.name)
+        assert again.meta == meta
+        again.close()
+        verify_batch(other.sample_sequences(8, 4))
+    finally:
+        other.close()
+
+
+def test_metadata_past_the_limit_is_refused_before_anything_is_made():
+    from shmbuf.protocol.layout import META_LIMIT
+
+    name = f"shmbuf-test-bigmeta-{os.getpid()}"
+    with pytest.raises(ValueError, match=f"at most {META_LIMIT} bytes of metadata"):
+        shmbuf.create(SPEC, 16, name=name, meta={"blob": "y" * (META_LIMIT + 1)})
+    assert not os.path.exists(f"/dev/shm/{name}")

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..gym import spec_for
 from ..gym._spaces import leaves
-from ..protocol.layout import default_episode_slots, encode_meta
+from ..protocol.layout import default_episode_slots
 from ..store import buffer as store
 from ._common import (
     BLOCK_BYTES,
@@ -105,17 +105,22 @@ def _spec(ds, obs_space, first_episode) -> dict:
 
 
 def _meta(ds, obs_space) -> dict:
-    """The header's record of where the data came from, with the spaces if they fit."""
+    """The buffer's record of where the data came from, the spaces included (any size).
+
+    Raises:
+        ValueError: Minari cannot serialise a space (nothing is created): a
+            buffer that dropped its spaces could not be written back as the
+            same dataset.
+    """
     from minari.serialization import serialize_space
 
-    meta = {"source": "minari", "id": ds.id}
     try:
-        with_spaces = dict(meta, observation_space=serialize_space(obs_space, to_string=False),
-                           action_space=serialize_space(ds.action_space, to_string=False))
-        encode_meta(with_spaces)
-        return with_spaces
-    except (ValueError, TypeError, NotImplementedError):
-        return meta  # large spaces (an image Box's bounds): to_minari takes them as arguments
+        return {"source": "minari", "id": ds.id,
+                "observation_space": serialize_space(obs_space, to_string=False),
+                "action_space": serialize_space(ds.action_space, to_string=False)}
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise ValueError(f"from_minari: dataset {ds.id!r}'s spaces cannot be recorded with "
+                         f"the buffer ({type(exc).__name__}: {exc}); nothing was created") from exc
 
 
 def from_minari(dataset, *, name: str | None = None, capacity: int | None = None,

@@ -307,15 +307,16 @@ def create(spec: dict, n_keys: int, max_len: int, *, spare: int = DEFAULT_SPARE,
     max_len = check_int("max_len", max_len)
     spare = check_int("spare", spare)
     ring_len = max_len + spare
-    layout = plan(spec, n_keys * ring_len, chunk_size=ring_len, max_writers=1, done_key=None,
-                  episode_slots=1)
     raw_meta = encode_meta({"max_len": max_len, "user": meta if meta is not None else {}})
+    layout = plan(spec, n_keys * ring_len, chunk_size=ring_len, max_writers=1, done_key=None,
+                  episode_slots=1, meta_bytes=len(raw_meta))
     if reservation is None:
         segment = Segment.create(generate_name() if name is None else name,
                                  layout.total_bytes, populate=prefault)
     else:
         segment = reservation.allocate(layout.total_bytes, populate=prefault)
     try:
+        segment.write_meta(layout, raw_meta)
         segment.publish(encode_header(layout, os.getpid(), my_start_time(), time.time_ns(),
                                       KIND_KEYED, raw_meta))
         return KeyedRings(segment, layout, json.loads(raw_meta))

@@ -17,7 +17,7 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
    72  owner_start    Q    its start time in clock ticks after boot (/proc/PID/stat #22)
    80  created_ns     Q    wall clock at create, time.time_ns()
    88  kind           Q    0: step store (chunks of streams); 1: keyed rings (a ring per key)
-   96  meta_bytes     Q    length of the JSON metadata at 1024
+   96  meta_bytes     Q    length of the JSON metadata: at 1024, or past 1024 bytes in the meta room
   104  chunks_at      Q    offset of the chunk table (checks max_writers and the column table)
   112  episode_slots  Q    entries in the episode index
   120  episodes_at    Q    offset of the episode index
@@ -39,11 +39,12 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
   896  sampled_rows   Q    atomic: rows (steps) returned by sample calls
   960  max_priority   Q    atomic: 1 << 32 | float32 bits of the largest priority ever set;
                            0: none yet
- 1024  meta           JSON utf-8, at most 1024 bytes: who made the buffer and with what parameters
+ 1024  meta           JSON utf-8, at most 1024 bytes here: who made the buffer, its parameters
  2048  column table  n_columns x 256 B: name 64s, dtype 32s, ndim Q, shape 8Q, offset Q, row_bytes Q
    ..  writer slots   max_writers x 64 B, see SLOT_FIELDS
    ..  chunk table    n_chunks x 64 B, see CHUNK_FIELDS
    ..  episode index  episode_slots x 64 B, see EPISODE_FIELDS
+   ..  meta room      JSON metadata longer than 1024 bytes (up to META_LIMIT), sized at create
    ..  columns        capacity x row_bytes each, each starting on a page boundary; the
                       user's, then the internal _ep (a row's episode number in its
                       stream) and _t (its clock number: the publish order, buffer-wide)
@@ -164,7 +165,8 @@ NO_TIMEOUT = (1 << 64) - 1
 CLOSED_BY = {1: "its owner", 2: "'shmbuf rm'", 3: "'shmbuf gc' (its owner was dead)"}
 CLOSED_OWNER, CLOSED_RM, CLOSED_GC = 1, 2, 3
 META = 1024
-MAX_META = 1024
+MAX_META = 1024          # metadata that fits in the header; longer gets a room of its own
+META_LIMIT = 64 << 20    # the longest metadata a buffer keeps (a space's bounds, say)
 COLUMN_TABLE = 2048
 COLUMN_ENTRY = 256
 COLUMN_STRUCT = struct.Struct("<64s32sQ8QQQ")
@@ -247,6 +249,7 @@ class Layout:
     priority_blocks_offset: int = 0
     priority_prev_offset: int = 0
     priority_trees: tuple = ()            # (exponent, ((offset, nodes) per level)) per tree
+    meta_offset: int = META               # where the metadata lives (META: in the header)
 
     @property
     def priorities(self) -> bool:
@@ -389,8 +392,12 @@ def _priority_regions(cursor: int, chunk_size: int, n_chunks: int):
 
 
 def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
-         done_key="done", episode_slots=None, priorities=False) -> Layout:
-    """Lay out a segment for ``spec``; raises on any bad argument."""
+         done_key="done", episode_slots=None, priorities=False, meta_bytes: int = 0) -> Layout:
+    """Lay out a segment for ``spec``; raises on any bad argument.
+
+    ``meta_bytes``: the length of the metadata's JSON; past ``MAX_META`` it
+    gets a room of its own after the episode index.
+    """
     columns_in = normalize_spec(spec)
     capacity = check_int("capacity", capacity, 1, 1 << 40)
     if chunk_size is None:
@@ -417,7 +424,10 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         * COLUMN_ENTRY
     chunks_offset = slots_offset + max_writers * SLOT_ENTRY
     episodes_offset = chunks_offset + n_chunks * CHUNK_ENTRY
-    cursor = _align(episodes_offset + episode_slots * EPISODE_ENTRY, PAGE)
+    meta_bytes = check_int("meta_bytes", meta_bytes, 0, META_LIMIT)
+    cursor = episodes_offset + episode_slots * EPISODE_ENTRY
+    meta_offset = META if meta_bytes <= MAX_META else cursor
+    cursor = _align(cursor + (meta_bytes if meta_bytes > MAX_META else 0), PAGE)
     columns = []
     internal = [(PRIORITY_COLUMN, ((), np.dtype("<u8")))] if priorities else []
     entries = list(columns_in.items()) + internal + [(c, ((), np.dtype("<i8")))
@@ -434,19 +444,22 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
     prio: tuple = (0, 0, 0, ())
     if priorities:
         *prio, cursor = _priority_regions(cursor, chunk_size, n_chunks)
-    return Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
-                  slots_offset, chunks_offset, cursor, episode_slots, episodes_offset, *prio)
+    layout = Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
+                    slots_offset, chunks_offset, cursor, episode_slots, episodes_offset, *prio)
+    return dataclasses.replace(layout, meta_offset=meta_offset)
 
 
 def encode_meta(meta) -> bytes:
-    """``meta`` as the header's JSON bytes; raises if it is not small plain data."""
+    """``meta`` as JSON bytes; raises if it is not plain data of at most ``META_LIMIT`` bytes."""
     try:
         raw = json.dumps(meta if meta is not None else {}, sort_keys=True).encode()
     except (TypeError, ValueError) as exc:
         raise TypeError(f"meta must be JSON-serialisable plain data, got {meta!r} "
                         f"({exc})") from None
-    if len(raw) > MAX_META:
-        raise ValueError(f"meta is {len(raw)} bytes as JSON; at most {MAX_META}")
+    if len(raw) > META_LIMIT:
+        raise ValueError(f"meta is {len(raw)} bytes as JSON; a buffer keeps at most "
+                         f"{META_LIMIT} bytes of metadata: keep large data in a column or a "
+                         "file and its name in meta")
     return raw
 
 
@@ -457,7 +470,8 @@ def encode_header(layout: Layout, owner_pid: int, owner_start: int, created_ns: 
     ``rate``: the rate limiter's words (``{RATE_FIELDS name: u64}``), if any.
     """
     out = bytearray(layout.slots_offset)
-    out[META:META + len(meta)] = meta
+    if layout.meta_offset == META:   # else the creator writes it to its room first
+        out[META:META + len(meta)] = meta
     values = {
         "magic": MAGIC, "version": LAYOUT_VERSION, "n_columns": len(layout.columns),
         "total_bytes": layout.total_bytes, "capacity": layout.capacity,
@@ -543,7 +557,8 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     try:
         layout = plan(user, head["capacity"], chunk_size=head["chunk_size"],
                       max_writers=head["max_writers"], done_key=done_key,
-                      episode_slots=head["episode_slots"], priorities=priorities)
+                      episode_slots=head["episode_slots"], priorities=priorities,
+                      meta_bytes=head["meta_bytes"])
     except (TypeError, ValueError) as exc:
         raise bad(f"its schema or sizes are invalid ({exc})") from None
     stored = [(c.offset, c.row_bytes) for c in layout.columns]
@@ -552,10 +567,11 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
     if (layout.n_chunks, layout.total_bytes, layout.chunks_offset, layout.episodes_offset) != (
             head["n_chunks"], head["total_bytes"], head["chunks_at"], head["episodes_at"]):
         raise bad("chunk count, episode index or total size does not match the layout")
-    if head["kind"] not in (0, 1) or head["meta_bytes"] > MAX_META:
-        raise bad(f"kind {head['kind']} or metadata length {head['meta_bytes']} is out of range")
+    if head["kind"] not in (0, 1):
+        raise bad(f"kind {head['kind']} is out of range")
+    at = layout.meta_offset
     try:
-        meta = json.loads(bytes(buf[META:META + head["meta_bytes"]]).decode())
+        meta = json.loads(bytes(buf[at:at + head["meta_bytes"]]).decode())
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise bad(f"its metadata is not JSON ({exc})") from None
     if not isinstance(meta, dict):

@@ -31,7 +31,7 @@ from ..posix.procs import my_start_time
 from ..posix.space import Space
 from ..posix.wait import poll
 from ..protocol import header as _header
-from ..protocol.layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, PAGE, decode_header
+from ..protocol.layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, META, PAGE, decode_header
 from .pages import MADV_POPULATE_WRITE
 
 ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
@@ -197,6 +197,20 @@ class Segment:
                 errno.ENOENT, f"segment {self.name!r} was removed while it was being created "
                 "(by 'shmbuf rm --force' or another unlink of that name): nobody could attach "
                 "to it, so create gave it up and nothing was created; create it again")
+
+    def write_meta(self, layout, raw: bytes) -> None:
+        """Before ``publish``: copy metadata too long for the header to its room.
+
+        Its pages are reserved first (a sparse segment's would otherwise be
+        taken at the copy, with SIGBUS and no error if /dev/shm is full).
+        """
+        at = layout.meta_offset
+        if at == META:
+            return   # encode_header puts it in the header itself
+        if self.space is not None:
+            self.space.reserve(at, len(raw), "the metadata")
+        assert self.mmap is not None   # a created segment is mapped
+        self.mmap[at:at + len(raw)] = raw
 
     def published(self) -> bool:
         """True once the creator has written a whole header, or the segment is foreign.

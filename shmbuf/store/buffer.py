@@ -350,7 +350,9 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             filesystem (it can never be filled: writers get
             ``SharedMemoryFullError`` when /dev/shm runs out).  Default
             False: such a capacity is refused here.
-        meta: small JSON-serialisable dict stored in the header (``Buffer.meta``).
+        meta: a JSON-serialisable dict kept with the buffer (``Buffer.meta``):
+            up to 1 KiB in the header, longer (up to 64 MiB) in a room of its
+            own, sized here.
         episode_slots: finished episodes the episode index remembers
             (``episodes()``, ``uniform="episodes"``); default
             ``capacity // 8`` within 1024 and 4M (at most the capacity),
@@ -391,14 +393,15 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     """
     if not isinstance(priorities, bool):
         raise TypeError(f"priorities must be True or False, got {priorities!r}")
+    raw_meta = encode_meta(meta)
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
-                  done_key=done_key, episode_slots=episode_slots, priorities=priorities)
+                  done_key=done_key, episode_slots=episode_slots, priorities=priorities,
+                  meta_bytes=len(raw_meta))
     _signals.check(handle_signals)
     rate = check_rate_limit(rate_limit)
     for flag, value in (("prefault", prefault), ("overcommit", overcommit)):
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{flag} must be True or False, got {value!r}")
-    raw_meta = encode_meta(meta)
     name = generate_name() if name is None else validate_name(name)
     if not overcommit:
         check_fits(name, layout.total_bytes, layout.columns[0].offset,
@@ -416,6 +419,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             start = layout.priority_blocks_offset
             segment.space.reserve(start, layout.total_bytes - start,
                                   "the priority bounds and trees")
+        segment.write_meta(layout, raw_meta)
         segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta,
                                       None if rate is None else rate._words()))
         buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
