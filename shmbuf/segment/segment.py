@@ -9,11 +9,13 @@ explicit unlink removes a segment.
 from __future__ import annotations
 
 import errno
+import fcntl
 import mmap
 import os
 import re
 import secrets
 import sys
+import time
 
 import numpy as np
 import posix_ipc
@@ -35,6 +37,7 @@ from ..protocol.layout import CLOSED_OWNER, COLUMN_TABLE, KINDS, META, PAGE, dec
 from .pages import MADV_POPULATE_WRITE
 
 ATTACH_TIMEOUT = 5.0  # seconds an attacher waits for a creator to finish its header
+CREATING_GRACE = 1.0  # seconds an unmarked entry without a header may still be a creator's
 PREFIX = "shmbuf-"
 SHM_DIR = "/dev/shm"
 
@@ -91,6 +94,12 @@ def _translate(exc: Exception, name: str, action: str) -> Exception:
         return SegmentPermissionError(
             errno.EACCES, f"cannot {action} segment {name!r}: permission denied "
             "(segments are mode 0600, readable by their creator's user only)")
+    if type(exc) is ValueError:   # posix_ipc's EINVAL: the entry is no segment at all
+        path = os.path.join(SHM_DIR, name)
+        kind = "a directory" if os.path.isdir(path) else "not a shared-memory object"
+        return CorruptSegmentError(
+            f"cannot {action} {path!r}: it is {kind}, not a shmbuf buffer "
+            f"({exc}); shmbuf buffers are files in {SHM_DIR}")
     code = getattr(exc, "errno", None)
     if code in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
         return SharedMemoryFullError(
@@ -136,7 +145,7 @@ class Segment:
         validate_name(name)
         try:
             shm = posix_ipc.SharedMemory("/" + name)
-        except posix_ipc.Error as exc:
+        except (posix_ipc.Error, ValueError) as exc:   # posix_ipc: ValueError for EINVAL
             raise _translate(exc, name, "attach to") from None
         try:
             size = shm.size
@@ -191,6 +200,8 @@ class Segment:
                 segment); the name is left alone and ``unlink`` does nothing.
         """
         _header.publish_header(self.mmap, header)
+        if self.space is not None:
+            fcntl.flock(self.space.fd, fcntl.LOCK_UN)   # the creation mark: done
         if self.inode is not None and _inode_of(self.name) != self.inode:
             self.owner = False   # the name is not ours to unlink any more
             raise SegmentNotFoundError(
@@ -245,17 +256,26 @@ class Segment:
         if self.mmap is None or self.size < COLUMN_TABLE:
             # Created, not sized yet: map it again once the creator has.
             self._remap(timeout)
-        poll(lambda: True if self.published() else None, timeout,
-             lambda: CorruptSegmentError(
-                 f"segment {self.name!r} has no complete shmbuf header after {timeout} s; "
-                 "is it a shmbuf buffer? ('python -m shmbuf ls' flags foreign entries)"))
+
+        def ready():
+            if self.published():
+                return True
+            self._refuse_unless_being_created()
+            return None
+
+        poll(ready, timeout, lambda: CorruptSegmentError(
+            f"segment {self.name!r} has no complete shmbuf header after {timeout} s; "
+            "is it a shmbuf buffer? ('python -m shmbuf ls' flags foreign entries)"))
 
     def _remap(self, timeout: float) -> None:
         def sized():
             again = Segment.attach(self.name)
             if again.mmap is not None and again.size >= COLUMN_TABLE:
                 return again
-            again.close()
+            try:
+                again._refuse_unless_being_created()
+            finally:
+                again.close()
             return None
 
         again = poll(sized, timeout, lambda: CorruptSegmentError(
@@ -263,6 +283,31 @@ class Segment:
             f"after {timeout} s; is it a shmbuf buffer?"))
         self.close()
         self.mmap, self.size, self.space = again.mmap, again.size, again.space
+
+    def _refuse_unless_being_created(self) -> None:
+        """Raise CorruptSegmentError at once for an entry without a header that nobody makes.
+
+        A creator holds the creation mark (a lock on the segment) from its
+        O_EXCL open until ``publish``; an entry without it that has not
+        changed size for ``CREATING_GRACE`` seconds (the instant between the
+        open and the lock, or a creator that died) is not being made.
+        """
+        fd = self.space.fd if self.space is not None else -1
+        if fd < 0:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return                                    # a creator holds the mark
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        st = os.fstat(fd)
+        if time.time() - st.st_mtime < CREATING_GRACE:   # a resize sets it, as the open does
+            return
+        raise CorruptSegmentError(
+            f"{os.path.join(SHM_DIR, self.name)!r} ({st.st_size} bytes) has no shmbuf header "
+            "and no shmbuf process is creating it: it is not a shmbuf buffer (or its creator "
+            f"died before finishing it). Remove it with 'python -m shmbuf rm --force "
+            f"{self.name}' if it is a leftover")
 
     def close(self) -> None:
         """Unmap, unless numpy views still export the mapping (then they keep it alive)."""
@@ -389,6 +434,10 @@ class Reservation:
         except posix_ipc.Error as exc:
             raise _translate(exc, name, "create") from None
         self.name = name
+        # The creation mark: held (through this descriptor and its dups) until
+        # ``publish``, so an attacher can tell a segment being made from a
+        # foreign or abandoned entry.  Blocking: an attacher may be testing it.
+        fcntl.flock(self._shm.fd, fcntl.LOCK_EX)
 
     def allocate(self, size: int, *, reserve: int | None = None,
                  populate: bool = True) -> Segment:
