@@ -1,7 +1,6 @@
 """Error paths that name what went wrong: foreign entries in /dev/shm, batches too large for
 memory, handles unpickled after their segment is gone."""
 import os
-import pickle
 import time
 
 import numpy as np
