@@ -25,7 +25,7 @@ from ..disk.save import _bad as _bad_save
 from ..keyed import rings as keyed
 from ..posix import signals as _signals
 from ..sampling.rng import ProcessRandom
-from ..segment.lifecycle import Shared
+from ..segment.lifecycle import Shared, unpickled
 from ..segment.segment import Reservation, generate_name
 from . import _history_out, _infos
 from ._base import to_numpy
@@ -412,7 +412,7 @@ class HistoryBuffer(Shared):
         self._ring_views = None
 
     def __reduce__(self):
-        return _rebuild, (self._name, self._params())
+        return unpickled, (_rebuild, self._name, self._params())
 
     def __repr__(self):
         state = "closed" if self._closed else ("no schema yet" if self._rings is None else

@@ -25,7 +25,7 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._errors import BufferClosedError
+from .._errors import BufferClosedError, SegmentNotFoundError
 from ..posix import signals
 from ..protocol.layout import CLOSED_OWNER
 from .segment import unlink as unlink_segment
@@ -184,4 +184,21 @@ class Shared:
         self.close()
 
     def __reduce__(self):
-        return type(self).attach, (self._name,)
+        return unpickled, (type(self).attach, self._name)
+
+
+def unpickled(attach, name: str, *args):
+    """Unpickling a handle: ``attach(name, *args)``, or an error that says why there is none.
+
+    A handle pickles its name, never its bytes (like CPython's SharedMemory),
+    so a pickle kept in a file outlives the segment it names.
+    """
+    try:
+        return attach(name, *args)
+    except SegmentNotFoundError as exc:
+        raise SegmentNotFoundError(
+            exc.errno, f"unpickling a shmbuf handle of {name!r}: shmbuf handles pickle by "
+            "name (the receiver attaches to the live segment), and no segment has that name "
+            "any more, so there is nothing to attach to. To keep a buffer's contents, save "
+            "it: buf.save(path) writes it to disk, and shmbuf.load(path) makes a live "
+            "buffer of it again") from None

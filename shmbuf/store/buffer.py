@@ -21,7 +21,7 @@ from ..protocol.layout import KIND_STORE, Layout, encode_header, encode_meta, pl
 from ..protocol.ring import Ring
 from ..sampling.rng import ProcessRandom
 from ..sampling.windows import WindowFinder
-from ..segment.lifecycle import Shared
+from ..segment.lifecycle import Shared, unpickled
 from ..segment.pages import ChunkPages
 from ..segment.segment import SHM_DIR, Segment, column_views, generate_name, validate_name
 from ..writing.parts import StoreParts
@@ -311,7 +311,7 @@ class Buffer(Reads, Checkpoints, Shared):
             raise
 
     def __reduce__(self):
-        return _reattach, (self.name, self._random.seed)
+        return unpickled, (_reattach, self.name, self._random.seed)
 
     def __repr__(self):
         state = "closed" if self._closed else f"capacity={self.capacity}"

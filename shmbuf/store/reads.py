@@ -9,7 +9,8 @@ from typing import Any, Callable
 import numpy as np
 
 from .._args import check_int
-from .._errors import SampleRetryError
+from .._errors import SampleRetryError, SampleTooLargeError
+from ..posix.memory import available_bytes
 from ..posix.wait import check_timeout
 from ..protocol.layout import Layout
 from ..protocol.ring import Episodes, Ring
@@ -102,6 +103,9 @@ class Reads:
             NotEnoughDataError: no valid window exists yet.
             ValueError / TypeError: a bad argument, or a batch wider than
                 the rate limit's band could ever serve; nothing is sampled.
+            SampleTooLargeError: (a MemoryError) without ``out``, the batch's
+                arrays would not fit in the memory available; nothing is
+                allocated or sampled.
             WaitTimeoutError: the rate limit made it wait ``timeout`` s.
 
         Example:
@@ -110,7 +114,8 @@ class Reads:
         """
         self._check_live()
         batch_size, length, tail, sel = self._sample_args(batch_size, length, tail, uniform,
-                                                          newest, select)
+                                                          newest, select,
+                                                          allocates=out is None)
         timeout = check_timeout(timeout)
         gen = self._random.get() if rng is None else np.random.default_rng(rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
@@ -151,12 +156,17 @@ class Reads:
             f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
             f"(capacity {self._layout.capacity}) is too small for its ingest rate")
 
-    def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
+    def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None,
+                     allocates: bool = True):
         """The checked ``(batch_size, length, tail, selector)`` of a sample (also for
         ``dataset`` and ``prefetch``, which must fail at the door like ``sample_*``);
-        the selector is what ``uniform``, ``newest`` and ``select`` mean together."""
+        the selector is what ``uniform``, ``newest`` and ``select`` mean together.
+        ``allocates``: the caller makes the batch's arrays (no ``out=``), so the
+        batch must fit in the memory available."""
         batch_size = check_int("batch_size", batch_size, 1, 1 << 24)
         length = check_int("length", length, 1, self._layout.capacity)
+        if allocates:
+            self._check_batch_memory(batch_size, length)
         if isinstance(tail, bool) or not isinstance(tail, (int, np.integer)) or not (
                 0 <= tail < length):
             raise ValueError(f"tail must be an int with 0 <= tail < length ({length}), "
@@ -166,6 +176,17 @@ class Reads:
         sel = resolve(select, uniform, newest)
         sel._check(self)
         return batch_size, length, int(tail), sel
+
+    def _check_batch_memory(self, batch_size: int, length: int) -> None:
+        """Refuse a batch larger than the memory available, before anything is allocated."""
+        need = batch_size * length * sum(c.row_bytes for c in self._layout.user_columns)
+        have = available_bytes()
+        if have is not None and need > have:
+            raise SampleTooLargeError(
+                f"batch_size={batch_size} windows of length {length} need {need} bytes "
+                f"({need / 2**30:.1f} GiB) of arrays, but {have} bytes "
+                f"({have / 2**30:.1f} GiB) of memory are available here; sample a smaller "
+                "batch_size (several batches), or pass out= arrays")
 
     def sample_steps(self, batch_size: int, *, out: dict | None = None, rng=None,
                      timeout: float | None = None) -> dict:
