@@ -52,7 +52,7 @@ def test_a_foreign_entry_nobody_is_creating_is_refused_at_once(size):
 def test_a_batch_larger_than_memory_is_refused_before_allocating(make_buffer):
     buf = make_buffer(SPEC, 256)
     with buf.writer() as w:
-        for i in range(200):
+        for _ in range(200):
             w.add(obs=np.zeros((3, 64, 64), np.uint8), done=False)
     with pytest.raises(shmbuf.SampleTooLargeError) as info:
         buf.sample_sequences(10**6, 50)          # 614 GB of frames
