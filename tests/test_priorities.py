@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 from helpers.priority_workers import draw_starts, update_forever, update_rounds
+from helpers.stats import chi2_pvalue
 
 import shmbuf
 from shmbuf._errors import NotEnoughDataError
 from shmbuf.protocol.layout import TREE_EXPONENTS
 from shmbuf.sampling import prioritized as _prioritized
 from shmbuf.select import Prioritized
-from helpers.stats import chi2_pvalue
 
 SPEC = {"x": ((), np.float32), "done": ((), np.bool_)}
 EPISODE = 37   # steps per episode: windows may not cross its ends

@@ -81,7 +81,8 @@ def test_its_own_leak_is_removed_and_fails_the_test(tmp_path):
 @pytest.mark.slow
 def test_the_dataset_tests_that_need_no_jax_run_without_it(tmp_path):
     # A jax that cannot be imported, ahead of the real one on the path.
-    (tmp_path / "jax.py").write_text("raise ModuleNotFoundError('No module named jax', name='jax')\n")
+    (tmp_path / "jax.py").write_text(
+        "raise ModuleNotFoundError('No module named jax', name='jax')\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     env.pop("SHMBUF_NAME_TAG", None)

@@ -15,8 +15,13 @@ from ..posix import signals as _signals
 from ..posix.procs import my_start_time
 from ..posix.space import check_fits
 from ..posix.wait import check_timeout, poll
-from ..protocol.header import (owner_alive, owner_record, resume_writers, stop_writers,
-                               writers_stopped)
+from ..protocol.header import (
+    owner_alive,
+    owner_record,
+    resume_writers,
+    stop_writers,
+    writers_stopped,
+)
 from ..protocol.layout import KIND_STORE, Layout, encode_header, encode_meta, plan
 from ..protocol.ring import Ring
 from ..sampling.rng import ProcessRandom
