@@ -42,11 +42,11 @@ def test_the_readme_setup_commands_are_the_ones_ci_runs():
     block = re.search(r"```bash\n(.*?)```", first, re.DOTALL).group(1)
     commands = [line.split("#")[0].strip() for line in block.splitlines() if line.strip()]
     assert commands == ["pip install -e . && python examples/quickstart.py",
-                        "pip install -e '.[test]' && python -m pytest -q"], commands
+                        "pip install -e '.[test]' && python -m pytest -q -rs"], commands
     assert (ROOT / "examples" / "quickstart.py").is_file()
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "pip install -e '.[test]'" in ci and "python -m pytest -q" in ci
-    assert ci.index("pip install -e '.[test]'") < ci.index("python -m pytest -q")
+    assert "pip install -e '.[test]'" in ci and "python -m pytest -q -rs" in ci
+    assert ci.index("pip install -e '.[test]'") < ci.index("python -m pytest -q -rs")
     assert "mkdocs build --strict" in ci, ".ci/run must build the docs strictly"
 
 
