@@ -19,6 +19,12 @@
    (a word of its own in an ``mp.Array``); the limiter's own counters are
    shown beside it as a cross-check.
 
+3. Stop: 4 writer processes wait for budget (nobody samples); the trainer
+   calls ``Buffer.stop_writers()`` and each writer notes when its ``add``
+   raised ``WritersStoppedError`` (CLOCK_MONOTONIC is one clock for every
+   process); the figure is the slowest writer's delay, over ``--reps``
+   rounds (target: within 100 ms).
+
 Prints one table and writes a JSON file; nothing is asserted.  Every buffer
 is closed in ``finally`` and every writer joined or killed.
 """
@@ -150,6 +156,48 @@ def held_ratio(ratio: float, seconds: float, writers: int = 4) -> dict:
                 p.join(5)
 
 
+def _waiting_writer(buf, seed: int, woke) -> None:
+    w = buf.writer()
+    try:
+        while True:
+            w.add(obs=np.zeros((3, 32, 32), np.uint8), reward=np.float32(0), done=np.False_)
+    except shmbuf.WritersStoppedError:
+        woke[seed] = time.monotonic()
+    finally:
+        w.close()
+
+
+def stop_delay(reps: int, writers: int = 4) -> dict:
+    """Seconds from stop_writers() to the last waiting writer's WritersStoppedError."""
+    ctx = mp.get_context("spawn")
+    delays = []
+    for _ in range(reps):
+        buf = shmbuf.create(FRAMES, 10_000, rate_limit=RateLimit(1.0, min_steps=256,
+                                                                 writer_timeout=60.0))
+        woke = ctx.Array("d", writers, lock=False)
+        procs = [ctx.Process(target=_waiting_writer, args=(buf, i, woke))
+                 for i in range(writers)]
+        try:
+            for p in procs:
+                p.start()
+            while not (buf.stats().writers == writers and len(buf) >= 256):
+                time.sleep(0.01)
+            time.sleep(0.2)                      # every writer is in its wait by now
+            t0 = time.monotonic()
+            buf.stop_writers()
+            for p in procs:
+                p.join(30)
+            delays.append(max(woke) - t0 if all(woke) else float("nan"))
+        finally:
+            buf.stop_writers()
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(5)
+            buf.close()
+    return {"median_s": statistics.median(delays), "max_s": max(delays), "delays_s": delays}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0, help="run per ratio (issue: 60)")
@@ -160,6 +208,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     cost = overhead(args.reps, args.calls)
     held = [held_ratio(r, args.seconds) for r in (32, 512)]
+    stop = stop_delay(max(args.reps, 5))
     print(f"# bench_ratelimit: {platform.node()} python {sys.version.split()[0]}, "
           f"1-min load {load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"{'call':<18}{'added ns/call':>15}{'min..max':>18}{'baseline ns':>13}  target <= 1000")
@@ -175,11 +224,15 @@ def main() -> None:
               f"{h['limiter_achieved']:>9.2f}"
               f"{h['samples_outside_band']:>9}{h['worst_lag_over_tolerance']:>17.3f}"
               f"{h['trainer_wait_s']:>16.2f}{h['writer_wait_s']:>16.2f}")
+    print(f"stop_writers -> the last of 4 waiting writers raised: median "
+          f"{1e3 * stop['median_s']:.1f} ms, max {1e3 * stop['max_s']:.1f} ms over "
+          f"{len(stop['delays_s'])} rounds  target <= 100 ms")
     print("achieved: rows the trainer got / adds the writers returned, counted by them; "
           "limiter: the same from the limiter's own counters")
     print("targets: 0 samples outside the band; |error| <= 2%")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"overhead": cost, "held": held, "load_start": load,
+    args.json.write_text(json.dumps({"overhead": cost, "held": held, "stop": stop,
+                                     "load_start": load,
                                      "seconds": args.seconds}, indent=1))
 
 
