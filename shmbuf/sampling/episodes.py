@@ -120,6 +120,8 @@ def open_episodes(ring: Ring, finder: WindowFinder, views: dict, names: list[str
         if (sid, ep) in ended or (done_key is not None and bool(views[done_key][end])):
             continue
         start, length = _open_stretch(ring, live, idx, ep_col, ep)
+        if length < 1:
+            continue   # its newest chunk was recycled while we looked: nothing whole to read
         got = read_window(finder, views, names, start, length, None, ep)
         if got is not None:
             yield got
