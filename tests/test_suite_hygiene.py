@@ -17,7 +17,10 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def _session(tmp_path, body: str) -> subprocess.CompletedProcess:
+    # This suite's conftest.py and the helpers it imports, beside a test of our own.
     shutil.copy(os.path.join(TESTS_DIR, "conftest.py"), tmp_path / "conftest.py")
+    shutil.copytree(os.path.join(TESTS_DIR, "helpers"), tmp_path / "helpers",
+                    ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "test_inner.py").write_text(body)
     env = dict(os.environ)
     env.pop("SHMBUF_NAME_TAG", None)  # the child session tags its own names
