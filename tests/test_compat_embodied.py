@@ -569,3 +569,17 @@ def test_more_workers_than_streams_is_a_clear_error(make):
     with pytest.raises(NoFreeWriterSlotError, match="streams=2|2 workers"):
         r.add({"step": 0}, worker="c")
     assert r.stats()["streams"] == 2
+
+
+def test_a_stopped_buffer_refuses_adds_and_counts_no_item(make):
+    r = make(2, 100)
+    fill(r, 5)
+    held, steps = len(r), r.buffer.stats().steps_written
+    r.buffer.stop_writers()
+    for _ in range(3):
+        with pytest.raises(shmbuf.WritersStoppedError):
+            r.add({"step": np.int64(9), "worker": np.int64(0), "is_first": False})
+    assert len(r) == held and r.buffer.stats().steps_written == steps
+    r.buffer.resume_writers()
+    r.add({"step": np.int64(9), "worker": np.int64(0), "is_first": False})
+    assert len(r) == held + 1

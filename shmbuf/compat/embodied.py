@@ -255,6 +255,9 @@ class Replay(Facade):
                 would lose information in its column; nothing is written.
             NoFreeWriterSlotError: more than ``streams`` workers add at once.
             BufferClosedError: the replay was closed.
+            WritersStoppedError: ``stop_writers()`` was called on the replay's buffer
+                (``replay.buffer.stop_writers()``), in any process; every later add
+                raises it too, so actor loops end.
 
         Example:
             >>> replay.add({"image": frame, "action": a, "is_first": True}, worker=3)
@@ -268,6 +271,9 @@ class Replay(Facade):
             self._make(_schema_of_step(step))
         values = self._coerced(step)
         s = self._stream(worker)
+        # A stopped buffer refuses the step: check before an item's serial is taken, so
+        # that a refused step counts no item (a stop that lands in between costs one).
+        self.buffer._parts.ring.stop_mark.check()
         item = self.buffer.next_serial() if s.pos >= self.length - 1 else -1
         s.writer.add(**values, item=item, stream=s.id, pos=s.pos)
         s.pos += 1
