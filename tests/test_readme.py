@@ -83,7 +83,10 @@ def test_the_dependencies_section_names_every_package_of_every_extra():
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     names = ["numpy", "posix_ipc"]
-    for extra in ("torch", "test", "gym", "datasets", "ray", "docs"):
+    # Every extra a user installs (bench pins the peers of benchmarks/compare.py).
+    extras = [e for e in cfg["options.extras_require"] if e != "bench"]
+    assert {"torch", "test", "gym", "datasets", "ray", "docs", "swm"} <= set(extras)
+    for extra in extras:
         names += [re.split(r"[\[<>=!~ ;]", r, maxsplit=1)[0] for r in _extra(extra)]
     for name in names:
         assert f"`{name}" in section or f" {name}," in section or f" {name} " in section, \
