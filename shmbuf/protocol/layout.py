@@ -65,6 +65,7 @@ import json
 import keyword
 import math
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -250,6 +251,7 @@ class Layout:
     priority_prev_offset: int = 0
     priority_trees: tuple = ()            # (exponent, ((offset, nodes) per level)) per tree
     meta_offset: int = META               # where the metadata lives (META: in the header)
+    pack: Any = None                      # protocol.packing.PackPlan of a compressing buffer
 
     @property
     def priorities(self) -> bool:
@@ -392,11 +394,14 @@ def _priority_regions(cursor: int, chunk_size: int, n_chunks: int):
 
 
 def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
-         done_key="done", episode_slots=None, priorities=False, meta_bytes: int = 0) -> Layout:
+         done_key="done", episode_slots=None, priorities=False, meta_bytes: int = 0,
+         packing: tuple[tuple[str, ...], int] | None = None) -> Layout:
     """Lay out a segment for ``spec``; raises on any bad argument.
 
     ``meta_bytes``: the length of the metadata's JSON; past ``MAX_META`` it
-    gets a room of its own after the episode index.
+    gets a room of its own after the episode index.  ``packing``: a
+    compressing buffer's (packed column names, rows per block); its packing
+    area comes after everything else, so nothing else moves.
     """
     columns_in = normalize_spec(spec)
     capacity = check_int("capacity", capacity, 1, 1 << 40)
@@ -446,7 +451,23 @@ def plan(spec, capacity, *, chunk_size=None, max_writers=DEFAULT_MAX_WRITERS,
         *prio, cursor = _priority_regions(cursor, chunk_size, n_chunks)
     layout = Layout(capacity, chunk_size, n_chunks, max_writers, tuple(columns), done,
                     slots_offset, chunks_offset, cursor, episode_slots, episodes_offset, *prio)
-    return dataclasses.replace(layout, meta_offset=meta_offset)
+    layout = dataclasses.replace(layout, meta_offset=meta_offset)
+    if packing is None:
+        return layout
+    from .packing import plan_packing
+    names, block_rows = packing
+    by_name = {c.name: c for c in columns}
+    pack = plan_packing(layout.total_bytes, n_chunks, chunk_size, capacity, block_rows,
+                        [(n, by_name[n].offset, by_name[n].row_bytes) for n in names])
+    return dataclasses.replace(layout, total_bytes=pack.total_bytes, pack=pack)
+
+
+def packing_of(meta: dict) -> tuple[tuple[str, ...], int] | None:
+    """The ``plan(packing=...)`` argument that a buffer's metadata records, or None."""
+    entry = meta.get("compress")
+    if entry is None:
+        return None
+    return tuple(entry["columns"]), int(entry["block_rows"])
 
 
 def encode_meta(meta) -> bytes:
@@ -554,19 +575,13 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
                 else None)
     if done != -1 and done_key is None:
         raise bad(f"done column index {done} is out of range")
+    kw = dict(chunk_size=head["chunk_size"], max_writers=head["max_writers"],
+              done_key=done_key, episode_slots=head["episode_slots"], priorities=priorities,
+              meta_bytes=head["meta_bytes"])
     try:
-        layout = plan(user, head["capacity"], chunk_size=head["chunk_size"],
-                      max_writers=head["max_writers"], done_key=done_key,
-                      episode_slots=head["episode_slots"], priorities=priorities,
-                      meta_bytes=head["meta_bytes"])
+        layout = plan(user, head["capacity"], **kw)
     except (TypeError, ValueError) as exc:
         raise bad(f"its schema or sizes are invalid ({exc})") from None
-    stored = [(c.offset, c.row_bytes) for c in layout.columns]
-    if stored != [v[2:] for v in spec.values()]:
-        raise bad("column offsets do not match the layout they describe")
-    if (layout.n_chunks, layout.total_bytes, layout.chunks_offset, layout.episodes_offset) != (
-            head["n_chunks"], head["total_bytes"], head["chunks_at"], head["episodes_at"]):
-        raise bad("chunk count, episode index or total size does not match the layout")
     if head["kind"] not in (0, 1):
         raise bad(f"kind {head['kind']} is out of range")
     at = layout.meta_offset
@@ -576,6 +591,18 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
         raise bad(f"its metadata is not JSON ({exc})") from None
     if not isinstance(meta, dict):
         raise bad(f"its metadata is {type(meta).__name__}, expected an object")
+    try:   # a compressing buffer's settings (in its metadata) add the packing area
+        packing = packing_of(meta)
+        if packing is not None:
+            layout = plan(user, head["capacity"], **kw, packing=packing)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise bad(f"its compression settings are invalid ({exc})") from None
+    stored = [(c.offset, c.row_bytes) for c in layout.columns]
+    if stored != [v[2:] for v in spec.values()]:
+        raise bad("column offsets do not match the layout they describe")
+    if (layout.n_chunks, layout.total_bytes, layout.chunks_offset, layout.episodes_offset) != (
+            head["n_chunks"], head["total_bytes"], head["chunks_at"], head["episodes_at"]):
+        raise bad("chunk count, episode index or total size does not match the layout")
     owner: dict = {k: head[k] for k in ("owner_pid", "owner_start", "created_ns", "kind")}
     owner["meta"] = meta
     return layout, owner

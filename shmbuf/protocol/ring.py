@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -79,6 +80,10 @@ from .words import (
     _TICKET,
     _U32,
 )
+
+if TYPE_CHECKING:
+    from ..sampling.unpack import Unpacker
+    from .packing import PackWords
 
 # Copy rows of step data into the segment (same bytes as a numpy assignment,
 # with streaming stores for big rows, then a store fence), so that the
@@ -177,6 +182,10 @@ class Ring:
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
         self.priorities = Priorities(self) if layout.priorities else None
+        # A compressing buffer's packing words and the reader of its packed rows, which
+        # every copy goes through (set by its Buffer).
+        self.packing: PackWords | None = None
+        self.unpacker: Unpacker | None = None
 
     # -- reserving pages before a ticket makes them readable (see _space) -----------
     def _take(self, name: str, prepare) -> int:
@@ -392,9 +401,21 @@ class Ring:
         if busy and owner != NO_SLOT and self.slot_alive(owner, owner_lease):
             return None  # a live writer is still filling (or resetting) it
         odd = (seq + 1 + (seq & 1)) & _U32
-        if not atomic.compare_exchange(self.mm, off, state,
-                                       pack_chunk_state(odd, False, slot, lease)):
+        claimed = pack_chunk_state(odd, False, slot, lease)
+        if not atomic.compare_exchange(self.mm, off, state, claimed):
             return None
+        if self.packing is not None:
+            # A packed chunk gets its raw pages back before anything is written; one a
+            # live compressor holds is left to it.  Either way nothing was written yet,
+            # so undoing the claim restores exactly what readers validated against.
+            try:
+                kept = self.packing.on_recycle(chunk)
+            except BaseException:
+                atomic.compare_exchange(self.mm, off, claimed, state)
+                raise
+            if not kept:
+                atomic.compare_exchange(self.mm, off, claimed, state)
+                return None
         self._evict(chunk)
         for field, value in (("next", 0), ("next_seq", 0), ("stream", stream),
                              ("ticket", ticket), ("starts", self.starts_reset)):
@@ -531,6 +552,22 @@ class Ring:
         return Chunks(order.astype(np.int64), seq[order], counts[order],
                       table[order, _STREAM].astype(np.int64), self.chunk_base[order],
                       table[order, _TICKET].astype(np.int64))
+
+    def chunk_states(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(state word, committed count)`` of every claimed chunk: states first (acquire),
+        as ``live_chunks`` (the compressor picks chunks by them)."""
+        claimed = self.claimed_chunks()
+        state = self.chunk_table[:claimed, _STATE].copy()
+        atomic.fence_acquire()
+        counts = np.clip(self.count[:claimed].view(np.int64), 0, self.chunk_rows[:claimed])
+        atomic.fence_acquire()
+        return state, counts
+
+    def chunk_state(self, chunk: int) -> tuple[int, bool, int]:
+        """``(seq, sealed, committed count)`` of one chunk, state first (acquire each)."""
+        seq, sealed, _, _ = unpack_chunk_state(atomic.load_acquire(
+            self.mm, self.layout.chunk_field(chunk, "state")))
+        return seq, sealed, atomic.load_acquire(self.mm, self.layout.chunk_field(chunk, "count"))
 
     def links(self, chunks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(successor chunk or -1, the successor's seq) of each of ``chunks``, as linked now.
