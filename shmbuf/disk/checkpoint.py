@@ -50,15 +50,15 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     starts = []
     at = 0
 
-    def copy(base: int, count: int) -> None:
+    def copy(base: int, count: int, read: Callable[[str], np.ndarray]) -> None:
         for name in names:
             if name == PRIORITY_COLUMN:   # the value set in this claim, NaN if none
                 out[name][at:at + count] = ring.prio().saved(base, count)
             else:
-                out[name][at:at + count] = views[name][base:base + count]
+                out[name][at:at + count] = read(name)
 
     ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
-    for i, sid in copy_chunks(ring, live, copy, ids):
+    for i, sid in copy_chunks(ring, live, copy, ids, views):
         count = int(live.count[i])
         stream[at:at + count] = sid
         original[at:at + count] = live.stream[i]
@@ -67,17 +67,27 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     return out, stream, original, np.array(starts, np.int64), at
 
 
-def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int], None], ids: "StreamIds"):
+def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int, Callable], None],
+                ids: "StreamIds", views: dict[str, np.ndarray]):
     """Copy ``chunks`` (``Ring.live_chunks()``, oldest claim first), validating each.
 
-    For each chunk, ``copy(first row, rows)`` copies its rows out; then, if
-    the chunk was not recycled meanwhile, this yields ``(i, stream id)``
-    (``ids`` splits streams at holes).  A chunk recycled during its copy is
-    skipped: the caller copies the next one over the same place.
+    For each chunk, ``copy(first row, rows, read)`` copies its rows out, where
+    ``read(name)`` gives the chunk's rows of column ``name`` (decoded where
+    the chunk is packed: every copy goes through it); then, if the chunk was
+    not recycled meanwhile, this yields ``(i, stream id)`` (``ids`` splits
+    streams at holes).  A chunk recycled during its copy is skipped: the
+    caller copies the next one over the same place.
     """
     nxt, nxt_seq = ring.links(chunks.chunk)
+    unpack = ring.unpacker
     for i in range(len(chunks.chunk)):
-        copy(int(chunks.base[i]), int(chunks.count[i]))
+        base, count = int(chunks.base[i]), int(chunks.count[i])
+        if unpack is None:
+            copy(base, count, lambda name: views[name][base:base + count])
+        else:
+            with unpack.reading():
+                copy(base, count, unpack.chunk_reader(views, int(chunks.chunk[i]),
+                                                      int(chunks.seq[i]), base, count))
         if ring.unchanged(chunks.chunk[i:i + 1], chunks.seq[i:i + 1])[0]:
             yield i, ids.of(int(chunks.stream[i]), int(chunks.chunk[i]), int(chunks.seq[i]),
                             int(nxt[i]), int(nxt_seq[i]))

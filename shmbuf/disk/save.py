@@ -169,17 +169,17 @@ class _Writer:
         before = self.rows
         eps = np.empty(0, np.int64)
 
-        def copy(base: int, count: int) -> None:   # straight from the mapping
+        def copy(base: int, count: int, read) -> None:   # straight from the mapping
             nonlocal eps
             eps = self.views[EP_COLUMN][base:base + count].copy()  # 8 bytes a row: the only copy
             for name, col in self.columns.items():
                 if name == PRIORITIES:
                     col.write(self.rows, self.ring.priorities.saved(base, count))
                 elif name not in (STREAM, EPISODE, ENDS):
-                    col.write(self.rows, self.views[name][base:base + count])
+                    col.write(self.rows, read(name))
 
         kept = 0
-        for i, sid in copy_chunks(self.ring, chunks, copy, self.ids):
+        for i, sid in copy_chunks(self.ring, chunks, copy, self.ids, self.views):
             kept += 1
             count, stream = int(chunks.count[i]), int(chunks.stream[i])
             self.columns[EPISODE].write(self.rows, eps)

@@ -92,7 +92,13 @@ def read_window(finder: WindowFinder, views: dict, names: list[str], start: int,
                            (w.chunks[0, 0], w.seqs[0, 0]) != first_chunk):
         return None
     rows = w.rows[0]
-    out = {name: np.take(views[name], rows, axis=0) for name in names}
+    unpack = finder.ring.unpacker
+    if unpack is None:
+        out = {name: np.take(views[name], rows, axis=0) for name in names}
+    else:
+        with unpack.reading():
+            flags = unpack.flags(w.rows, w.chunks, w.seqs)
+            out = {name: unpack.take(name, views[name], w.rows, flags)[0] for name in names}
     first_ep = int(views[EP_COLUMN][rows[0]])
     if not finder.still_valid(w)[0] or (ep is not None and first_ep != ep):
         return None

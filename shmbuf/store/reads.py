@@ -145,7 +145,7 @@ class Reads:
         windows = draw(batch_size)
         pending = np.arange(batch_size)
         for _ in range(_MAX_REDRAWS):
-            self._gather(windows.rows, pending, targets, time_major, batch_size)
+            self._gather(windows, pending, targets, time_major, batch_size)
             stale = ~self._finder.still_valid(windows)
             if not stale.any():
                 self._ring.count_sample(batch_size * length)
@@ -211,9 +211,23 @@ class Reads:
         self.sample_sequences(batch_size, 1, out=lifted, rng=rng, timeout=timeout)
         return out
 
-    def _gather(self, rows, pending, targets, time_major, batch_size) -> None:
+    def _gather(self, windows, pending, targets, time_major, batch_size) -> None:
+        unpack = self._ring.unpacker
+        if unpack is None:
+            return self._gather_rows(windows.rows, pending, targets, time_major, batch_size)
+        with unpack.reading():   # no raw page this reads is punched meanwhile
+            flags = unpack.flags(windows.rows, windows.chunks, windows.seqs)
+            if flags is not None and time_major:
+                flags = flags.transpose()
+            self._gather_rows(windows.rows, pending, targets, time_major, batch_size, flags)
+        return None
+
+    def _gather_rows(self, rows, pending, targets, time_major, batch_size, flags=None) -> None:
+        """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
+        the rows as laid out in the batch) where some chunks are packed."""
         idx = np.ascontiguousarray(rows.T) if time_major else rows
         everything = len(pending) == batch_size
+        unpack = self._ring.unpacker
         for name, target in targets.items():
             if name == "ids":   # read with the rows, checked by the same seqs after
                 ids = self._ring.prio().ids(idx)
@@ -223,7 +237,13 @@ class Reads:
                     target.put(ids, pending, time_major)
                 continue
             src = self._views[name]
-            if everything and target.array is not None:
+            if flags is not None:
+                assert unpack is not None
+                if everything and target.array is not None:
+                    unpack.take(name, src, idx, flags, out=target.array)
+                else:
+                    target.put(unpack.take(name, src, idx, flags), pending, time_major)
+            elif everything and target.array is not None:
                 np.take(src, idx, axis=0, out=target.array, mode="clip")
             else:
                 target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)

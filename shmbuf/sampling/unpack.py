@@ -1,0 +1,143 @@
+"""Reading columns of a buffer whose cold chunks may be packed: the one gather every read
+path uses (samples, episodes, checkpoints, saves).
+
+``Unpacker.reading()`` brackets a read: inside it, the reader's slot is odd,
+so no compressor punches a raw page the read may still touch.  ``flags``
+then loads the chunk words of the windows' hops and says, per row, whether
+it is raw (read in place), packed at the window's seq (decode its block,
+read with ``pread``), or stale (its chunk was packed at another seq: the
+window's chunk was recycled, the seq re-check after the copy throws the
+window away, so nothing is read).  A decode that fails is stale too, unless
+the chunk still has the window's seq: then the segment is corrupt.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from .._errors import CorruptSegmentError
+from ..protocol.packing import PUNCHING, PackWords
+from .codec import Codec
+
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+class Flags:
+    """Per row of a read (any shape): packed, stale, and the chunk word's mask."""
+
+    def __init__(self, packed: np.ndarray, stale: np.ndarray, mask: np.ndarray,
+                 chunk: np.ndarray, seq: np.ndarray):
+        self.packed, self.stale, self.mask, self.chunk, self.seq = packed, stale, mask, chunk, seq
+
+    def transpose(self) -> Flags:
+        return Flags(self.packed.T, self.stale.T, self.mask.T, self.chunk.T, self.seq.T)
+
+
+class Unpacker:
+    """Reads the packed columns of one buffer (``ring``, its column ``views``)."""
+
+    def __init__(self, ring, words: PackWords, codec: Codec):
+        self.ring, self.words, self.codec = ring, words, codec
+        self.plan = words.plan
+        self.columns = {c.name: c for c in self.plan.columns}
+
+    @contextlib.contextmanager
+    def reading(self):
+        """Bracket a read of raw rows that a compressor may want to punch."""
+        self.words.readers.enter()
+        try:
+            yield
+        finally:
+            self.words.readers.leave()
+
+    def flags(self, rows: np.ndarray, chunks: np.ndarray, seqs: np.ndarray) -> Flags | None:
+        """Row flags of windows ``rows`` (B, L) located at hops ``chunks``/``seqs`` (B, H);
+        None if every row is raw (the common, hot case).  Call inside ``reading()``."""
+        ok = chunks >= 0
+        words = self.words.load(np.where(ok, chunks, 0))
+        phase = (words >> np.uint64(30)) & np.uint64(3)
+        cooked = ok & (phase >= PUNCHING)
+        if not cooked.any():
+            return None
+        match = (words >> np.uint64(32)) == (seqs.astype(np.uint64) & _U32)
+        row_chunk = rows // self.plan.chunk_size
+        hop = np.argmax(row_chunk[:, :, None] == chunks[:, None, :], axis=2)
+        pick = (lambda a: np.take_along_axis(a, hop, axis=1))
+        mask = pick(((words >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64) * cooked)
+        return Flags(pick(cooked & match), pick(cooked & ~match), mask, row_chunk, pick(seqs))
+
+    def chunk_flags(self, chunk: int, seq: int, n: int) -> Flags | None:
+        """Flags of ``n`` rows of one chunk read at ``seq`` (checkpoints, saves)."""
+        rows = (chunk * self.plan.chunk_size + np.arange(n, dtype=np.int64))[None]
+        return self.flags(rows, np.array([[chunk]]), np.array([[seq]]))
+
+    def chunk_reader(self, views: dict, chunk: int, seq: int, base: int, count: int):
+        """``read(name)``: rows ``[base, base + count)`` of ``chunk`` read at ``seq`` (inside
+        ``reading()``), decoded where packed."""
+        flags = self.chunk_flags(chunk, seq, count)
+        idx = (base + np.arange(count, dtype=np.int64))[None]
+
+        def read(name: str) -> np.ndarray:
+            if flags is None or name not in self.columns:
+                return views[name][base:base + count]
+            return self.take(name, views[name], idx, flags)[0]
+        return read
+
+    def take(self, name: str, view: np.ndarray, idx: np.ndarray, flags: Flags | None,
+             out: np.ndarray | None = None) -> np.ndarray:
+        """``np.take(view, idx, axis=0)`` with packed rows decoded; ``flags`` for ``idx``."""
+        col = self.columns.get(name)
+        if flags is None or col is None:
+            return np.take(view, idx, axis=0, out=out, mode="clip")
+        packed = flags.packed & (flags.mask >> col.bit & 1 == 1)
+        raw = ~packed & ~flags.stale
+        if out is None:
+            out = np.empty(idx.shape + view.shape[1:], view.dtype)
+        if raw.all():
+            return np.take(view, idx, axis=0, out=out, mode="clip")
+        if raw.any():
+            out[raw] = view[idx[raw]]
+        zero = ~raw & ~packed
+        if zero.any():
+            out[zero] = 0     # stale: the re-check throws these windows away
+        if packed.any():
+            self._decode(col, view, idx[packed], flags.chunk[packed], flags.seq[packed],
+                         out, packed)
+        return out
+
+    def _decode(self, col, view, rows, chunks, seqs, out, where) -> None:
+        """Decode each block the ``rows`` touch once and copy its rows to ``out[where]``."""
+        plan, k, b = self.plan, self.plan.chunk_size, self.plan.block_rows
+        key = chunks * plan.n_blocks + (rows - chunks * k) // b
+        order = np.argsort(key, kind="stable")
+        skey = key[order]
+        firsts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
+        lasts = np.r_[firsts[1:], len(skey)]
+        shape = view.shape[1:]
+        if out.flags.c_contiguous:      # copy straight into the output rows
+            dest, pos = out.reshape((-1,) + shape), np.flatnonzero(where.reshape(-1))
+        else:
+            dest, pos = np.empty((len(rows),) + shape, view.dtype), None
+        dirs: dict[int, np.ndarray] = {}
+        for first, last in zip(firsts.tolist(), lasts.tolist()):
+            chunk, j = divmod(int(skey[first]), plan.n_blocks)
+            sel = order[first:last]
+            if chunk not in dirs:
+                dirs[chunk] = self.words.read_dir(chunk)
+            off, length = (int(x) for x in dirs[chunk][col.bit, j])
+            at = sel if pos is None else pos[sel]
+            try:
+                raw = self.codec.decode(self.words.read_blob(chunk, off, length),
+                                        b * col.row_bytes)
+                block_rows = np.frombuffer(raw, view.dtype).reshape((-1,) + shape)
+                dest[at] = block_rows[rows[sel] - chunk * k - j * b]
+            except (ValueError, IndexError):
+                seq = int(seqs[sel[0]])
+                if self.ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
+                    raise CorruptSegmentError(
+                        f"chunk {chunk} (seq {seq}) of column {col.name!r}: block {j} does "
+                        "not decode, yet the chunk was not recycled") from None
+                dest[at] = 0      # recycled under us: the caller's re-check rejects it
+        if pos is None:
+            out[where] = dest
