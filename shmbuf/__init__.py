@@ -37,13 +37,15 @@ from .compat.iris import IRISOnPolicyBuffer, IRISReplayBuffer
 from .compat.planet import Episode, Memory
 from .disk.save import Saver
 from .store import Buffer, Stats, create
+from .writing.compress import Compress, CompressionStats
 from .writing.ratelimit import RateLimit, RateStats
 from .writing.writer import Writer
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver", "RateLimit", "RateStats",
+    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver", "RateLimit", "RateStats", "Compress",
+    "CompressionStats",
     "HistoryBuffer", "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
     "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",

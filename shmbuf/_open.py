@@ -17,6 +17,7 @@ from .posix import signals
 from .protocol.layout import KIND_KEYED, NO_SLOT
 from .segment.segment import Segment
 from .store import buffer as store
+from .writing.compress import META_KEY, Compress
 
 # Keyed rings that name no class are HistoryBuffer's to judge: it refuses
 # rings it did not make (a plain ``keyed.create``) with a clear error.
@@ -124,11 +125,15 @@ def load_steps(path, name: str | None = None, capacity: int | None = None, *, se
     streams = len(np.unique(state["stream"])) if manifest["rows"] else 0
     saved_writers = manifest.get("max_writers")
     writers = max(streams + 1, saved_writers if isinstance(saved_writers, int) else 1, 128)
+    meta = dict(manifest["meta"])
+    packed = meta.pop(META_KEY, None)   # the saved buffer's compression: the new one keeps it
     buf = store.create(dict(manifest["spec"]),
                        manifest["capacity"] if capacity is None else capacity, name=name,
                        chunk_size=manifest["chunk_size"] if same else None,
                        max_writers=min(writers, NO_SLOT - 1),
-                       done_key=manifest.get("done_key"), seed=seed, meta=manifest["meta"],
+                       done_key=manifest.get("done_key"), seed=seed, meta=meta,
+                       compress=None if packed is None else Compress.from_meta(
+                           packed if same else dict(packed, hot_steps=None)),
                        handle_signals=handle_signals,
                        priorities=manifest.get("priorities") is True,
                        rate_limit=_rate_limit(path, manifest))

@@ -180,6 +180,9 @@ def cmd_info(args) -> int:
                       f": inserted {r.inserted}, replayed {r.replayed}, ratio {r.ratio:.3f}, "
                       f"lag {r.lag:g}, waited {r.sample_wait_s:.1f} s sampling, "
                       f"{r.insert_wait_s:.1f} s inserting")
+            packing = _compression(info)
+            if packing:
+                print(packing)
             print(f"writers      {len(info.writers())}")
             for slot, pid, steps in info.writers():
                 print(f"  slot {slot:<4} pid {pid:<8} steps {steps}")
@@ -194,6 +197,21 @@ def _short_meta(meta: dict, limit: int = 300) -> str:
     if len(text) <= limit:
         return text
     return f"{len(text)} characters, keys {sorted(meta)} (shmbuf.attach(NAME).meta has it all)"
+
+
+def _compression(info: _Info) -> str | None:
+    """The ``compression`` line of ``info`` and ``top``: None for a buffer that keeps raw."""
+    conf = None if info.keyed else info.owner["meta"].get("compress")
+    if conf is None or info.layout.pack is None or info.segment.space is None:
+        return None
+    from .protocol.packing import PackWords
+    from .writing.compressor import pack_stats
+    words = PackWords(info.segment.mmap, info.segment.space.fd, info.layout.pack, info.name)
+    packed, raw, cold, raw_bytes, stored = pack_stats(info.ring, words, conf["hot_steps"])
+    ratio = raw_bytes / stored if stored else 1.0
+    return (f"compression  {conf['codec']} level {conf['level']} on {conf['columns']}, hot "
+            f"{conf['hot_steps']} steps: {packed} chunks packed, {raw} raw ({cold} cold still "
+            f"to do); {_human(raw_bytes)} held in {_human(stored)} ({ratio:.1f}x)")
 
 
 def _describe(pid: int) -> str:
@@ -300,6 +318,9 @@ def _top_frame(info: _Info, before: dict, now: dict) -> list[str]:
              f"sampled {rate('rows'):9.1f} rows/s    sample calls {rate('samples'):8.1f}/s",
              f"totals: written {now['written']}  evicted {now['evicted']}  "
              f"episodes {now['episodes']}  sampled rows {now['rows']}"]
+    packing = _compression(info)
+    if packing:
+        lines.append(packing)
     for slot, (pid, steps) in sorted(now["writers"].items()):
         old = before["writers"].get(slot, (pid, steps))[1]
         lines.append(f"  slot {slot:<4} pid {pid:<8} steps/s {(steps - old) / dt:10.1f}")

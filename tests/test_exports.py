@@ -4,8 +4,8 @@ from importlib import resources
 import shmbuf
 
 EXPORTS = [
-    "Buffer", "BufferClosedError", "CorruptSaveError", "CorruptSegmentError",
-    "DiamondReplayBuffer", "Episode",
+    "Buffer", "BufferClosedError", "Compress", "CompressionStats", "CorruptSaveError",
+    "CorruptSegmentError", "DiamondReplayBuffer", "Episode",
     "HistoryBuffer", "IRISOnPolicyBuffer", "IRISReplayBuffer", "LayoutVersionError", "Memory",
     "MemoryFullError", "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
     "OnPolicyBufferFullError", "OwnerAliveError", "RateLimit", "RateStats", "ReplayBuffer",

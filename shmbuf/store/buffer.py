@@ -29,10 +29,13 @@ from ..sampling.windows import WindowFinder
 from ..segment.lifecycle import Shared, unpickled
 from ..segment.pages import ChunkPages
 from ..segment.segment import SHM_DIR, Segment, column_views, generate_name, validate_name
+from ..writing.compress import Compress, CompressionStats
 from ..writing.parts import StoreParts
 from ..writing.ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from ..writing.writer import Writer
+from . import compression as _compression
 from .checkpoints import Checkpoints
+from .compression import Compaction
 from .reads import Reads
 
 
@@ -66,9 +69,10 @@ class Stats:
     reserved_bytes: int = 0
     total_bytes: int = 0
     writers_stopped: bool = False   # Buffer.stop_writers() is in force
+    compression: CompressionStats | None = None   # with compress=Compress(...), else None
 
 
-class Buffer(Reads, Checkpoints, Shared):
+class Buffer(Reads, Checkpoints, Compaction, Shared):
     """A replay buffer in shared memory; make one with ``create`` or ``attach``.
 
     Pickling a buffer sends its name: the receiving process attaches to the
@@ -92,6 +96,9 @@ class Buffer(Reads, Checkpoints, Shared):
         self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
         self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._savers = set()
+        if layout.pack is not None:
+            self._packer = _compression.attach_packing(self._ring, self._views, segment,
+                                                       layout, meta)
         self._open(segment)
 
     @property
@@ -280,7 +287,7 @@ class Buffer(Reads, Checkpoints, Shared):
                      owner_record(self._ring.mm)[0], owner_alive(self._ring.mm),
                      None if self._limiter is None else self._limiter.stats(),
                      self._space.reserved_bytes() if self._space else 0, lay.total_bytes,
-                     bool(writers_stopped(self._ring.mm)))
+                     bool(writers_stopped(self._ring.mm)), self._compression_stats())
 
     # -- episodes and rows ------------------------------------------------------------
     def committed_rows(self) -> np.ndarray:
@@ -297,6 +304,7 @@ class Buffer(Reads, Checkpoints, Shared):
 
     def _release(self) -> None:
         _signals.forget(self)
+        self._stop_compressing()
         for saver in list(self._savers):
             saver.close()  # saves what is left, while the mapping is still ours
         # Closed: never read again.  Dropping every reference to the views lets the mapping go.
@@ -327,7 +335,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
            max_writers: int = 128, done_key: str | None = "done", seed=None,
            prefault: bool = False, overcommit: bool = False, meta: dict | None = None,
            episode_slots: int | None = None, handle_signals: bool | None = None,
-           rate_limit: RateLimit | None = None, priorities: bool = False) -> Buffer:
+           rate_limit: RateLimit | None = None, priorities: bool = False,
+           compress: Compress | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -376,6 +385,11 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             every attached process (``update_priorities``,
             ``select=Prioritized(...)``, ``sample_sequences(..., ids=True)``).
             It costs 8 bytes per step and about 0.2 bytes per step of tree.
+        compress: a ``shmbuf.Compress`` naming the columns whose cold chunks
+            are kept compressed in shared memory, their raw pages given back
+            to /dev/shm (a background thread of the owner compresses them; see
+            ``Compress`` and ``Buffer.compact``).  None (default): every
+            column stays raw.
 
     Returns:
         The owning ``Buffer``; closing it (or dropping it, or exiting, or
@@ -398,10 +412,11 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     """
     if not isinstance(priorities, bool):
         raise TypeError(f"priorities must be True or False, got {priorities!r}")
+    packing, meta = _compression.settings(compress, spec, capacity, chunk_size, done_key, meta)
     raw_meta = encode_meta(meta)
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
                   done_key=done_key, episode_slots=episode_slots, priorities=priorities,
-                  meta_bytes=len(raw_meta))
+                  meta_bytes=len(raw_meta), packing=packing)
     _signals.check(handle_signals)
     rate = check_rate_limit(rate_limit)
     for flag, value in (("prefault", prefault), ("overcommit", overcommit)):
@@ -409,8 +424,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             raise TypeError(f"{flag} must be True or False, got {value!r}")
     name = generate_name() if name is None else validate_name(name)
     if not overcommit:
-        check_fits(name, layout.total_bytes, layout.columns[0].offset,
-                   sum(c.row_bytes for c in layout.columns), layout.capacity, SHM_DIR)
+        check_fits(name, *_compression.fit_bytes(layout), layout.capacity, SHM_DIR)
     # The header and the writer slots are written by everyone: reserved now.
     # The chunk table, the episode index and the rows follow the tickets (_ring).
     segment = Segment.create(name, layout.total_bytes,
@@ -418,6 +432,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
                              populate=prefault)
     try:
         owner = (os.getpid(), my_start_time())
+        if not prefault:
+            _compression.reserve_words(segment, layout)
         if layout.priorities and segment.space is not None and not prefault:
             # Every process updates the bounds and trees: reserved now, like the header
             # (about 0.4 bytes a step); the _p column is reserved chunk by chunk.
@@ -428,6 +444,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         segment.publish(encode_header(layout, *owner, time.time_ns(), KIND_STORE, raw_meta,
                                       None if rate is None else rate._words()))
         buf = Buffer(segment, layout, owner, json.loads(raw_meta), seed, mapped=prefault)
+        if buf._packer is not None:
+            buf._packer.start()      # the owner compresses, in a thread of its own
     except BaseException:
         segment.unlink()
         segment.close()
@@ -491,4 +509,6 @@ def from_segment(segment: Segment, layout: Layout, owner: dict, seed=None, own: 
     buf = Buffer(segment, layout, (owner["owner_pid"], owner["owner_start"]), owner["meta"], seed)
     if own and buf._ring.priorities is not None:
         buf._ring.priorities.repair()   # the dead owner may have died inside an update
+    if own and buf._packer is not None:
+        buf._packer.start()   # compression goes on in the adopter
     return _signals.watch_or_close(buf, handle_signals) if own else buf
