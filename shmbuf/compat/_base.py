@@ -14,6 +14,7 @@ from .._registry import register  # noqa: F401  # the facades' decorator, re-exp
 from ..disk import save as _saving
 from ..segment.lifecycle import Shared
 from ..store import buffer as store
+from ..writing.compress import Compress
 
 
 def to_torch(value):
@@ -58,12 +59,24 @@ class Facade(Shared):
     # -- construction ---------------------------------------------------------
     def _create(self, spec: dict, capacity: int, params: dict, *, name=None, seed=None,
                 chunk_size=None, done_key="done", episode_slots=None, rate_limit=None,
-                overcommit=False) -> None:
-        """Create the owning core buffer and remember ``params`` in its metadata."""
+                overcommit=False, compress=None, frames: tuple[str, ...] = ("obs",)) -> None:
+        """Create the owning core buffer and remember ``params`` in its metadata.
+
+        ``compress``: None or False (raw), True (the ``frames`` columns with
+        ``Compress``'s defaults), or a ``shmbuf.Compress`` naming core columns.
+        """
+        if compress is True:
+            compress = Compress(frames)
+        elif compress is False:
+            compress = None
+        elif compress is not None and not isinstance(compress, Compress):
+            raise TypeError(f"compress must be True, False, None or a shmbuf.Compress, "
+                            f"got {compress!r}")
         self.buffer = store.create(spec, capacity, name=name, seed=seed, chunk_size=chunk_size,
                                    done_key=done_key, episode_slots=episode_slots,
                                    meta={"facade": self.FACADE, "params": params},
-                                   rate_limit=rate_limit, overcommit=overcommit)
+                                   rate_limit=rate_limit, overcommit=overcommit,
+                                   compress=compress)
         self._track(self.buffer.name, owner=True)
         self._setup(params)
 

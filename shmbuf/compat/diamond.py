@@ -139,6 +139,9 @@ class ReplayBuffer(Facade):
             uniformly).  ``sample`` (single transitions) stays uniform.
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None).
+        compress: keep the frames (``obs`` and ``next_obs``) of cold chunks compressed in
+            shared memory: True (``shmbuf.Compress``'s defaults) or a
+            ``shmbuf.Compress``; None: raw.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it; nothing is created.
@@ -154,7 +157,7 @@ class ReplayBuffer(Facade):
 
     def __init__(self, capacity: int = 1000, obs_shape: tuple = (64, 64, 3),
                  action_dim: int = 1, device="cpu", *, action_dtype=None, age_weights=None,
-                 seed=None, name: str | None = None):
+                 seed=None, name: str | None = None, compress=None):
         shape = check_shape("obs_shape", obs_shape)
         if len(shape) != 3:
             raise ValueError(f"obs_shape must be (H, W, C), got {tuple(obs_shape)}")
@@ -164,7 +167,8 @@ class ReplayBuffer(Facade):
         frame = (tuple(shape), np.uint8)
         spec = {"obs": frame, "action": ((params["action_dim"],), params["action_dtype"]),
                 "reward": ((), np.float32), "done": ((), np.bool_), "next_obs": frame}
-        self._create(spec, capacity, params, name=name, seed=seed)
+        self._create(spec, capacity, params, name=name, seed=seed, compress=compress,
+                     frames=("obs", "next_obs"))
 
     def _setup(self, params: dict) -> None:
         self.obs_shape = tuple(params["obs_shape"])

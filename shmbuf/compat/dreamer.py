@@ -53,6 +53,10 @@ class ReplayBuffer(TransitionFacade):
             (one batch of steps before the first sample), or a
             ``RateLimit`` for full control.  None (default): no limit.
             ``sample()`` then waits for adds, and ``add`` for samples.
+        compress: keep the frames of cold chunks compressed in shared memory:
+            True (``shmbuf.Compress("obs")``'s defaults), or a
+            ``shmbuf.Compress`` naming the core column ``"obs"``.  None
+            (default): raw.  See ``shmbuf.Compress``.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it; nothing is created.
@@ -68,7 +72,7 @@ class ReplayBuffer(TransitionFacade):
 
     def __init__(self, size: int, obs_shape: tuple, action_size: int, seq_len: int = 50,
                  batch_size: int = 50, *, seed=None, name: str | None = None,
-                 train_ratio=None):
+                 train_ratio=None, compress=None):
         params = transition_params(size, obs_shape, action_size, seq_len, batch_size, frames=0)
         limit = train_ratio
         if train_ratio is not None and not isinstance(train_ratio, RateLimit):
@@ -77,7 +81,7 @@ class ReplayBuffer(TransitionFacade):
         # sizes it from 80% of the RAM: pages here are reserved as they fill too.
         self._create(transition_spec(params["obs_shape"], params["action_size"]),
                      params["size"], params, name=name, seed=seed, rate_limit=limit,
-                     overcommit=True)
+                     overcommit=True, compress=compress)
 
     def add(self, obs: Mapping, action, reward, done) -> None:
         """Append one transition from this process.

@@ -66,6 +66,8 @@ class IRISReplayBuffer(TransitionFacade):
         seed: seed of this handle's own ``np.random.Generator``.
         name: shared-memory name (generated if None); ``IRISReplayBuffer.attach(name)``
             opens the same buffer in another process.
+        compress: keep the frames of cold chunks compressed in shared memory: True
+            (``shmbuf.Compress("obs")``'s defaults) or a ``shmbuf.Compress``; None: raw.
 
     Raises:
         TypeError / ValueError: a bad argument, naming it; nothing is created.
@@ -80,11 +82,12 @@ class IRISReplayBuffer(TransitionFacade):
     FACADE = "torchwm.iris.IRISReplayBuffer"
 
     def __init__(self, size: int, obs_shape: tuple, action_size: int, seq_len: int = 20,
-                 batch_size: int = 64, *, age_weights=None, seed=None, name: str | None = None):
+                 batch_size: int = 64, *, age_weights=None, seed=None, name: str | None = None,
+                 compress=None):
         params = transition_params(size, obs_shape, action_size, seq_len, batch_size, frames=1)
         params["age_weights"] = age_buckets(age_weights)[0]
         self._create(transition_spec(params["obs_shape"], params["action_size"]),
-                     params["size"], params, name=name, seed=seed)
+                     params["size"], params, name=name, seed=seed, compress=compress)
 
     def _setup(self, params: dict) -> None:
         super()._setup(params)
