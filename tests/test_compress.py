@@ -1,0 +1,487 @@
+"""Compressed cold chunks: real Atari frames, /dev/shm measured, every read bit-identical.
+
+Frames come from ale-py (its wheel ships the ROMs): a random policy plays Breakout and
+MsPacman, 64x64x3 channels first.  Each step stores ``obs = frames[idx]`` and ``idx``, so
+a batch is checked against the ground truth with one comparison.  The same steps go into a
+raw buffer and a compressing one made with the same seed; every read path must return the
+same bytes from both.
+"""
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmbuf
+from shmbuf import Compress
+from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
+
+SHM = "/dev/shm"
+TIMEOUT = 60
+FRAME = (3, 64, 64)
+
+
+def _play(game: str, steps: int, seed: int) -> np.ndarray:
+    ale_py = pytest.importorskip("ale_py")
+    import gymnasium as gym
+    from PIL import Image
+
+    gym.register_envs(ale_py)
+    env = gym.make(f"ALE/{game}-v5", obs_type="rgb")
+    rng = np.random.default_rng(seed)
+    out = np.empty((steps, *FRAME), np.uint8)
+    obs, _ = env.reset(seed=seed)
+    try:
+        for i in range(steps):
+            out[i] = np.asarray(Image.fromarray(obs).resize((64, 64), Image.BOX)).transpose(2, 0, 1)
+            obs, _, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
+            if term or trunc:
+                obs, _ = env.reset()
+    finally:
+        env.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def frames():
+    """1,200 real frames: 600 of Breakout, then 600 of MsPacman."""
+    return np.concatenate([_play("Breakout", 600, 1), _play("MsPacman", 600, 2)])
+
+
+@pytest.fixture(scope="module")
+def frames_file(frames, tmp_path_factory):
+    path = tmp_path_factory.mktemp("frames") / "frames.npy"
+    np.save(path, frames)
+    return str(path)
+
+
+def spec():
+    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
+
+
+def fill(buf, frames, steps, start=0, episode=50):
+    with buf.writer() as w:
+        for j in range(start, start + steps):
+            i = j % len(frames)
+            w.add(obs=frames[i], idx=i, done=j % episode == episode - 1)
+
+
+def check(frames, batch):
+    assert np.array_equal(batch["obs"], frames[batch["idx"]])
+
+
+def shm_used() -> int:
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def words_left_by(buf, pids):
+    """Chunk words still held by one of ``pids`` (a compressor that was killed)."""
+    from shmbuf.protocol.packing import unpack_word
+    held = []
+    for w in buf._ring.packing.words.tolist():
+        _, phase, _, pid = unpack_word(w)
+        if phase in (1, 2) and pid in pids:
+            held.append(w)
+    return held
+
+
+# -- bad input at create: a clear error, nothing created -----------------------------------
+@pytest.mark.parametrize("make, match", [
+    (lambda: Compress("rgb"), "column 'rgb' is not in the spec"),
+    (lambda: Compress("obs", codec="gzip"), r"codec must be one of \['lz4', 'zstd'\]"),
+    (lambda: Compress("obs", level=23), "level must be an int from -7 to 22"),
+    (lambda: Compress("obs", codec="lz4", level=0), "level must be an int from 1 to 12"),
+    (lambda: Compress("obs", hot_steps=-1), "hot_steps must be None or an int >= 0"),
+    (lambda: Compress("obs", hot_steps=1001), r"hot_steps must be at most the capacity \(1000\)"),
+    (lambda: Compress("done"), "is the done_key"),
+    (lambda: Compress([]), "columns must name at least one column"),
+    (lambda: "obs", "compress must be a shmbuf.Compress"),
+])
+def test_bad_input_names_the_argument_and_creates_nothing(make, match):
+    before = set(os.listdir(SHM))
+    name = f"shmbuf-test-badcompress-{os.getpid()}"
+    with pytest.raises((ValueError, TypeError), match=match):
+        shmbuf.create(spec(), 1000, name=name, compress=make())
+    assert not os.path.exists(os.path.join(SHM, name))
+    assert {n for n in set(os.listdir(SHM)) - before if str(os.getpid()) in n} == set()
+
+
+def test_unknown_codec_lists_the_installed_ones():
+    with pytest.raises(ValueError, match=r"installed here: \[.*'zstd'"):
+        Compress("obs", codec="brotli")
+
+
+# -- memory ---------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_compact_gives_pages_back_to_dev_shm(make_buffer, frames):
+    """statvfs and stats() agree: real frames need a small fraction of the raw bytes."""
+    raw = make_buffer(spec(), 1024, chunk_size=16, seed=3)
+    fill(raw, frames, 1200)
+    base = shm_used()
+    buf = make_buffer(spec(), 1024, chunk_size=16, seed=3, compress=Compress("obs", hot_steps=0))
+    buf._packer.stop()      # only compact() compresses here: the figures are compact()'s
+    fill(buf, frames, 1200)
+    full = shm_used() - base
+    assert buf.compact(timeout=TIMEOUT) > 0
+    after = shm_used() - base
+    st = buf.stats()
+    c = st.compression
+    assert c.chunks_cold_raw == 0 and c.chunks_packed == 1024 // 16
+    assert c.raw_bytes == 1024 * 3 * 64 * 64 and c.ratio > 10
+    raw_bytes = raw.stats().reserved_bytes
+    # Other processes share /dev/shm: the drop, not the level, is what this buffer did.
+    assert full - after > 0.8 * (full - st.reserved_bytes)
+    assert st.reserved_bytes < raw_bytes / 5
+    assert st.reserved_bytes == os.fstat(buf._space.fd).st_blocks * 512
+    check(frames, buf.sample_sequences(32, 16))
+
+
+def test_hot_steps_stay_raw(make_buffer, frames):
+    buf = make_buffer(spec(), 1024, chunk_size=16, compress=Compress("obs", hot_steps=256))
+    fill(buf, frames, 1024)
+    buf.compact(timeout=TIMEOUT)
+    c = buf.stats().compression
+    assert c.chunks_raw == 256 // 16 and c.chunks_packed == (1024 - 256) // 16
+    assert c.hot_steps == 256
+
+
+def test_noise_stays_raw_and_costs_nothing(make_buffer):
+    noise = np.random.default_rng(0).integers(0, 256, (600, *FRAME), np.uint8)
+    raw = make_buffer(spec(), 512, chunk_size=16, seed=1)
+    buf = make_buffer(spec(), 512, chunk_size=16, seed=1, compress=Compress("obs", hot_steps=0))
+    for b in (raw, buf):
+        fill(b, noise, 600)
+    assert buf.compact(timeout=TIMEOUT) == 0
+    c = buf.stats().compression
+    assert c.chunks_packed == 0 and c.chunks_cold_raw == 0 and c.stored_bytes == 0
+    assert buf.stats().reserved_bytes <= 1.02 * raw.stats().reserved_bytes
+    check(noise, buf.sample_sequences(16, 8))
+
+
+def test_default_hot_steps_is_a_twentieth_of_the_capacity(make_buffer):
+    buf = make_buffer(spec(), 100_000, compress=Compress("obs"))
+    assert buf.stats().compression.hot_steps == 5000
+    small = make_buffer(spec(), 1000, chunk_size=16, compress=Compress("obs"))
+    assert small.stats().compression.hot_steps == 8 * 16
+
+
+# -- writers wrapping around ---------------------------------------------------------------
+def test_a_writer_wrapping_into_packed_chunks_gets_raw_pages(make_buffer, frames):
+    buf = make_buffer(spec(), 512, chunk_size=16, compress=Compress("obs", hot_steps=0))
+    fill(buf, frames, 512)
+    buf.compact(timeout=TIMEOUT)
+    small = buf.stats().reserved_bytes
+    buf._packer.stop()     # nothing packs the new rows: the pages they need come back
+    fill(buf, frames, 512, start=512)
+    st = buf.stats()
+    assert st.compression.chunks_packed == 0
+    assert st.reserved_bytes > small + 400 * 3 * 64 * 64
+    check(frames, buf.sample_sequences(32, 16))
+    assert buf.compact(timeout=TIMEOUT) == 512 // 16
+
+
+# -- every read path, raw against compressed ------------------------------------------------
+@pytest.fixture(scope="module")
+def pair(frames):
+    """A raw and a compressing buffer holding the same steps, made with the same seed."""
+    made = []
+    try:
+        for comp in (None, Compress("obs", hot_steps=64)):
+            b = shmbuf.create(spec(), 1024, chunk_size=16, seed=11, compress=comp,
+                              priorities=True)
+            fill(b, frames, 1100, episode=37)
+            made.append(b)
+        made[1].compact(timeout=TIMEOUT)
+        assert made[1].stats().compression.chunks_packed > 40
+        yield made
+    finally:
+        for b in made:
+            b.close()
+
+
+@pytest.mark.parametrize("select", [
+    Uniform(), Recency(0.7), AgeBuckets([1, 2]), Prioritized(0.6),
+    Mixture([(0.5, Uniform()), (0.5, Recency(1.0))]), "episodes"])
+def test_samples_are_bit_identical(pair, frames, select):
+    raw, packed = pair
+    kw = {"uniform": "episodes"} if select == "episodes" else {"select": select}
+    for time_major in (True, False):
+        a = raw.sample_sequences(24, 20, rng=5, time_major=time_major, **kw)
+        b = packed.sample_sequences(24, 20, rng=5, time_major=time_major, **kw)
+        assert a.keys() == b.keys()
+        check(frames, b)
+        if isinstance(select, Prioritized):
+            continue   # its draws are not reproducible from a seed even between raw buffers
+        for k in a:
+            assert np.array_equal(a[k], b[k]), k
+
+
+def test_out_and_sample_steps_are_bit_identical(pair, frames):
+    raw, packed = pair
+    outs = [{"obs": np.zeros((20, 8, *FRAME), np.uint8), "idx": np.zeros((20, 8), np.int64),
+             "done": np.zeros((20, 8), bool)} for _ in range(2)]
+    for b, out in zip(pair, outs):
+        b.sample_sequences(8, 20, rng=9, out=out)
+    assert all(np.array_equal(outs[0][k], outs[1][k]) for k in outs[0])
+    check(frames, outs[1])
+    a, b = raw.sample_steps(64, rng=4), packed.sample_steps(64, rng=4)
+    assert np.array_equal(a["obs"], b["obs"]) and np.array_equal(a["idx"], b["idx"])
+
+
+def test_episodes_are_bit_identical(pair, frames):
+    raw, packed = pair
+    ea = list(raw.iter_episodes(include_open=True))
+    eb = list(packed.iter_episodes(include_open=True))
+    assert len(ea) == len(eb) > 10
+    for x, y in zip(ea, eb):
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        check(frames, y)
+    n = raw.episodes().index[-1]
+    x, y = raw.read_episode(int(n)), packed.read_episode(int(n))
+    assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_checkpoints_are_bit_identical(pair, frames):
+    raw, packed = pair
+    a, b = raw.snapshot(), packed.snapshot()
+    for k in a["columns"]:
+        assert np.array_equal(a["columns"][k], b["columns"][k]), k
+    check(frames, b["columns"])
+    sa, sb = raw.state_dict(), packed.state_dict()
+    assert all(np.array_equal(sa["columns"][k].numpy(), sb["columns"][k].numpy())
+               for k in sa["columns"])
+
+
+def test_dataset_and_prefetch_are_bit_identical(pair, frames):
+    got = []
+    for b in pair:
+        with b.prefetch(8, 12, device="cpu", rng=3) as it:
+            got.append([next(it)["obs"].numpy().copy() for _ in range(3)])
+    assert all(np.array_equal(x, y) for x, y in zip(*got))
+    items = [next(iter(b.dataset(6, 10, batches=1, seed=2))) for b in pair]
+    assert np.array_equal(items[0]["obs"].numpy(), items[1]["obs"].numpy())
+    check(frames, {k: v.numpy() for k, v in items[1].items()})
+
+
+@pytest.mark.slow
+def test_save_and_load_keep_every_step_and_the_compression(pair, frames, tmp_path):
+    loaded = []
+    try:
+        for i, b in enumerate(pair):
+            b.save(tmp_path / str(i))
+            loaded.append(shmbuf.load(tmp_path / str(i), seed=11))
+        assert loaded[0].stats().compression is None
+        c = loaded[1].stats().compression
+        assert c is not None and c.hot_steps == 64
+        loaded[1].compact(timeout=TIMEOUT)
+        assert loaded[1].stats().compression.chunks_packed > 40
+        a, b = loaded[0].snapshot()["columns"], loaded[1].snapshot()["columns"]
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+        check(frames, b)
+    finally:
+        for b in loaded:
+            b.close()
+            shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+# -- crashes --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_samples_stay_true_while_writers_run_and_the_compressor_is_killed(
+        make_buffer, frames, frames_file):
+    from helpers import compress_workers as cw
+    buf = make_buffer(spec(), 1024, chunk_size=16, compress=Compress("obs", hot_steps=32))
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    readies = [ctx.Event() for _ in range(2)]
+    writers = [ctx.Process(target=cw.write_frames, args=(buf.name, frames_file, 400 * k, stop, r))
+               for k, r in enumerate(readies)]
+    killed, rng, batches, left_held = set(), np.random.default_rng(0), 0, 0
+    comp = None
+    try:
+        for p in writers:
+            p.start()
+        assert all(r.wait(TIMEOUT) for r in readies)
+        for _ in range(6):
+            started = ctx.Event()
+            comp = ctx.Process(target=cw.compact_forever, args=(buf.name, started))
+            comp.start()
+            assert started.wait(TIMEOUT)
+            deadline = time.monotonic() + rng.uniform(0.02, 0.3)
+            while time.monotonic() < deadline:   # sample while it compresses
+                if len(buf) >= 64:
+                    check(frames, buf.sample_sequences(16, 24))
+                    batches += 1
+            os.kill(comp.pid, signal.SIGKILL)
+            comp.join(TIMEOUT)
+            killed.add(comp.pid)
+            left_held += len(words_left_by(buf, {comp.pid}))
+            check(frames, buf.sample_sequences(16, 24))
+        stop.set()
+        for p in writers:
+            p.join(TIMEOUT)
+            assert p.exitcode == 0
+        buf.compact(timeout=TIMEOUT)          # takes over what the dead left held
+        assert words_left_by(buf, killed) == []
+        c = buf.stats().compression
+        assert c.chunks_cold_raw == 0 and c.chunks_packed > 0
+        for _ in range(5):
+            check(frames, buf.sample_sequences(32, 24))
+        for ep in buf.iter_episodes():
+            check(frames, ep)
+        assert batches > 0
+    finally:
+        stop.set()
+        for p in writers + ([comp] if comp is not None else []):
+            if p.is_alive():
+                p.kill()
+            p.join(TIMEOUT)
+
+
+@pytest.mark.slow
+def test_an_adopter_goes_on_compressing(frames_file, frames):
+    from helpers import compress_workers as cw
+    name = f"shmbuf-test-compressadopt-{os.getpid()}"
+    ctx = mp.get_context("spawn")
+    filled = ctx.Event()
+    owner = ctx.Process(target=cw.own_fill_and_die, args=(name, frames_file, 1100, 64, filled))
+    buf = None
+    try:
+        owner.start()
+        assert filled.wait(TIMEOUT)
+        owner.join(TIMEOUT)
+        assert owner.exitcode == -signal.SIGKILL
+        buf = shmbuf.attach(name, own=True, handle_signals=False)
+        assert buf.stats().compression.chunks_packed == 0
+
+        def packed():
+            c = buf.stats().compression
+            return True if c.chunks_cold_raw == 0 and c.chunks_packed else None
+        from shmbuf.posix.wait import poll
+        poll(packed, TIMEOUT, lambda: TimeoutError("the adopter never compressed"))
+        check(frames, buf.sample_sequences(16, 20))
+    finally:
+        if owner.is_alive():
+            owner.kill()
+        owner.join(TIMEOUT)
+        if buf is not None:
+            buf.close()
+        else:
+            try:
+                shmbuf.attach(name, own=True, handle_signals=False).close()
+            except (shmbuf.SegmentNotFoundError, shmbuf.OwnerAliveError):
+                pass
+
+
+# -- the command line -------------------------------------------------------------------------
+def test_info_shows_compression(make_buffer, frames, capsys):
+    from shmbuf.cli import main
+    buf = make_buffer(spec(), 512, chunk_size=16, compress=Compress("obs", hot_steps=0))
+    fill(buf, frames, 512)
+    buf.compact(timeout=TIMEOUT)
+    assert main(["info", buf.name]) == 0
+    out = capsys.readouterr().out
+    assert "compression  zstd level 1 on ['obs']" in out
+    assert "32 chunks packed, 0 raw (0 cold still to do)" in out
+    assert main(["top", buf.name, "--iterations", "1", "--plain", "--interval", "0.01"]) == 0
+    assert "32 chunks packed" in capsys.readouterr().out
+
+
+# -- a full /dev/shm --------------------------------------------------------------------------
+@pytest.mark.slow
+def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
+    import json
+    import subprocess
+    import sys
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private tmpfs on /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=TIMEOUT,
+                           check=False)
+    if probe.returncode:
+        pytest.skip(f"unshare -m is not permitted here: {probe.stderr.decode().strip()}")
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    script = ("mount -t tmpfs -o size=8m shmbuf-test /dev/shm && "
+              f"exec {sys.executable} -m helpers.full_shm_compress")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [tests_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    run = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
+                         timeout=4 * TIMEOUT, env=env, cwd=tests_dir, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-3000:]   # a SIGBUS would be -7 here
+    out = json.loads(run.stdout.decode().strip().splitlines()[-1])
+    assert out["shm_bytes"] == 8 << 20
+    assert out["compact_full"] is not None and "compressed columns" in out["compact_full"]
+    assert out["wrap_full"] is not None and "again" in out["wrap_full"]
+    assert out["compacted"] > 0 and out["resumed"]
+    assert out["true_after_compact_full"] and out["true_when_full"] and out["true_at_end"]
+
+
+# -- the facades ------------------------------------------------------------------------------
+def test_facades_take_compress(frames):
+    from shmbuf.compat.diamond import ReplayBuffer as DiamondBuffer
+    from shmbuf.compat.dreamer import ReplayBuffer
+    from shmbuf.compat.iris import IRISReplayBuffer
+    made = [ReplayBuffer(512, FRAME, 6, seq_len=8, batch_size=4,
+                         compress=Compress("obs", hot_steps=0)),
+            IRISReplayBuffer(512, FRAME, 6, seq_len=8, batch_size=4, compress=True),
+            DiamondBuffer(512, (64, 64, 3), compress=True)]
+    try:
+        for rb in made:
+            c = rb.buffer.stats().compression
+            assert c is not None
+        assert made[2].buffer.stats().compression.columns == ("obs", "next_obs")
+        rb = made[0]
+        for i in range(300):
+            rb.add({"image": frames[i]}, np.zeros(6, np.float32), 0.0, float(i % 50 == 49))
+        rb.buffer.compact(timeout=TIMEOUT)
+        assert rb.buffer.stats().compression.chunks_packed > 0
+        obs = rb.sample()[0]
+        assert any(np.array_equal(obs[0, 0], f) for f in frames[:300])
+        with pytest.raises(TypeError, match="compress must be True, False, None or a shmbuf"):
+            ReplayBuffer(512, FRAME, 6, compress="zstd")
+    finally:
+        for rb in made:
+            rb.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("phase", ["busy", "punching", "half-punched"])
+def test_a_compressor_killed_while_holding_a_chunk(make_buffer, frames, phase):
+    """Reads stay true, compact() takes the word over, and a writer reaching the chunk gets
+    whole raw pages, whatever the compressor was doing when it died."""
+    from helpers import compress_workers as cw
+    buf = make_buffer(spec(), 512, chunk_size=16, compress=Compress("obs", hot_steps=0))
+    buf._packer.stop()
+    fill(buf, frames, 512)
+    ctx = mp.get_context("spawn")
+    held = ctx.Queue()
+    p = ctx.Process(target=cw.die_holding, args=(buf.name, phase, held))
+    try:
+        p.start()
+        held.get(timeout=TIMEOUT)
+        p.join(TIMEOUT)
+        assert p.exitcode == -signal.SIGKILL
+    finally:
+        if p.is_alive():
+            p.kill()
+        p.join(TIMEOUT)
+    assert len(words_left_by(buf, {p.pid})) == 1
+    check(frames, buf.snapshot()["columns"])      # every chunk, that one included
+    for _ in range(3):
+        check(frames, buf.sample_sequences(32, 16))
+    if phase == "busy":        # another compressor takes the word over
+        assert buf.compact(timeout=TIMEOUT) > 0
+        assert words_left_by(buf, {p.pid}) == []
+        assert buf.stats().compression.chunks_cold_raw == 0
+        check(frames, buf.snapshot()["columns"])
+    # A writer going round the ring reaches that chunk: whole raw pages again, then
+    # steps that read back true (a hole would read zeros, or SIGBUS on a full /dev/shm).
+    fill(buf, frames, 512, start=512)
+    assert words_left_by(buf, {p.pid}) == []
+    assert buf.stats().compression.chunks_packed == 0
+    assert buf.stats().reserved_bytes >= 512 * 3 * 64 * 64
+    check(frames, buf.snapshot()["columns"])
+    assert buf.compact(timeout=TIMEOUT) == 512 // 16
+    check(frames, buf.sample_sequences(32, 16))
