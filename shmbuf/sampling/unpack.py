@@ -13,6 +13,8 @@ the chunk still has the window's seq: then the segment is corrupt.
 from __future__ import annotations
 
 import contextlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -107,7 +109,10 @@ class Unpacker:
         return out
 
     def _decode(self, col, view, rows, chunks, seqs, out, where) -> None:
-        """Decode each block the ``rows`` touch once and copy its rows to ``out[where]``."""
+        """Decode each block the ``rows`` touch once and copy its rows to ``out[where]``.
+
+        Blocks are split between this thread and ``DECODE_THREADS - 1`` helpers (the
+        codec and numpy's copies release the GIL), each writing disjoint rows."""
         plan, k, b = self.plan, self.plan.chunk_size, self.plan.block_rows
         key = chunks * plan.n_blocks + (rows - chunks * k) // b
         order = np.argsort(key, kind="stable")
@@ -119,25 +124,52 @@ class Unpacker:
             dest, pos = out.reshape((-1,) + shape), np.flatnonzero(where.reshape(-1))
         else:
             dest, pos = np.empty((len(rows),) + shape, view.dtype), None
-        dirs: dict[int, np.ndarray] = {}
-        for first, last in zip(firsts.tolist(), lasts.tolist()):
-            chunk, j = divmod(int(skey[first]), plan.n_blocks)
-            sel = order[first:last]
-            if chunk not in dirs:
-                dirs[chunk] = self.words.read_dir(chunk)
-            off, length = (int(x) for x in dirs[chunk][col.bit, j])
-            at = sel if pos is None else pos[sel]
-            try:
-                raw = self.codec.decode(self.words.read_blob(chunk, off, length),
-                                        b * col.row_bytes)
-                block_rows = np.frombuffer(raw, view.dtype).reshape((-1,) + shape)
-                dest[at] = block_rows[rows[sel] - chunk * k - j * b]
-            except (ValueError, IndexError):
-                seq = int(seqs[sel[0]])
-                if self.ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
-                    raise CorruptSegmentError(
-                        f"chunk {chunk} (seq {seq}) of column {col.name!r}: block {j} does "
-                        "not decode, yet the chunk was not recycled") from None
-                dest[at] = 0      # recycled under us: the caller's re-check rejects it
+        chunk_of = skey[firsts] // plan.n_blocks
+        dirs = {c: self.words.read_dir(c) for c in np.unique(chunk_of).tolist()}
+
+        def run(part: range) -> None:
+            for g in part:
+                first, last = int(firsts[g]), int(lasts[g])
+                chunk, j = divmod(int(skey[first]), plan.n_blocks)
+                sel = order[first:last]
+                off, length = (int(x) for x in dirs[chunk][col.bit, j])
+                at = sel if pos is None else pos[sel]
+                try:
+                    raw = self.codec.decode(self.words.read_blob(chunk, off, length),
+                                            b * col.row_bytes)
+                    block_rows = np.frombuffer(raw, view.dtype).reshape((-1,) + shape)
+                    dest[at] = block_rows[rows[sel] - chunk * k - j * b]
+                except (ValueError, IndexError):
+                    seq = int(seqs[sel[0]])
+                    if self.ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
+                        raise CorruptSegmentError(
+                            f"chunk {chunk} (seq {seq}) of column {col.name!r}: block {j} "
+                            "does not decode, yet the chunk was not recycled") from None
+                    dest[at] = 0      # recycled under us: the caller's re-check rejects it
+
+        n = len(firsts)
+        helpers = _pool() if n >= 2 * MIN_SHARE else None
+        if helpers is None:
+            run(range(n))
+        else:
+            parts = [range(i, n, DECODE_THREADS) for i in range(DECODE_THREADS)]
+            futures = [helpers.submit(run, p) for p in parts[1:]]
+            run(parts[0])
+            for f in futures:
+                f.result()
         if pos is None:
             out[where] = dest
+
+
+DECODE_THREADS = 2   # threads that decode one read's blocks (this one and a helper)
+MIN_SHARE = 8        # blocks per thread below which one thread decodes them all
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's decode helpers (made again in a forked child, whose threads are gone)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(DECODE_THREADS - 1,
+                                                 thread_name_prefix="shmbuf-decode"))
+    return _POOL[1]
