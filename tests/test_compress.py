@@ -485,3 +485,20 @@ def test_a_compressor_killed_while_holding_a_chunk(make_buffer, frames, phase):
     check(frames, buf.snapshot()["columns"])
     assert buf.compact(timeout=TIMEOUT) == 512 // 16
     check(frames, buf.sample_sequences(32, 16))
+
+
+@pytest.mark.parametrize("hot", [None, 0])
+def test_close_unmaps_a_buffer_this_thread_read(frames, hot):
+    """A thread's reader slot must not keep a closed buffer's mapping (and its pages) alive."""
+    buf = shmbuf.create(spec(), 512, chunk_size=16,
+                        compress=None if hot is None else Compress("obs", hot_steps=hot))
+    name = buf.name
+    try:
+        fill(buf, frames, 512)
+        buf.compact(timeout=TIMEOUT)
+        check(frames, buf.sample_sequences(8, 16))
+    finally:
+        buf.close()
+    del buf
+    with open("/proc/self/maps") as f:
+        assert name not in f.read()

@@ -164,13 +164,23 @@ class Readers:
     compressor might punch.  A slot is ``pid << 32 | generation``; odd while
     its thread reads.  A slot whose pid (with its start time) is gone is
     free, and so is one whose thread ended (its thread-local token's
-    finalizer gives it back).
+    finalizer gives it back), and every slot of this handle once it closes.
     """
 
     def __init__(self, mm, plan: PackPlan):
         self.mm, self.base = mm, plan.readers_offset
         self.view = np.frombuffer(mm, "<u8", READER_SLOTS * 2, plan.readers_offset)
         self._local = threading.local()
+        self._held: set[int] = set()   # offsets of the slots this handle's threads claimed
+
+    def close(self) -> None:
+        """Give back this handle's idle slots and drop the mapping (the buffer closes)."""
+        mm, self.mm = self.mm, None
+        if mm is not None:
+            for off in list(self._held):
+                _release(mm, off, os.getpid() << 32)
+        self._held.clear()
+        self.view = None   # type: ignore[assignment]
 
     def enter(self) -> None:
         tl, pid = self._local, os.getpid()
@@ -198,9 +208,11 @@ class Readers:
             if atomic.compare_exchange(self.mm, off, word, pid << 32):
                 atomic.store_release(self.mm, off + 8, me)
                 tl.pid, tl.off, tl.gen = pid, off, 0
-                # The thread's local dict dies with the thread: give the slot back then.
+                # The thread's local dict dies with the thread: give the slot back then
+                # (through a weak reference: a finalizer must not keep the mapping alive).
                 tl.token = token = _Token()
-                weakref.finalize(token, _release, self.mm, off, pid << 32)
+                weakref.finalize(token, _release_weak, weakref.ref(self), off, pid << 32)
+                self._held.add(off)
                 return
         raise RuntimeError(f"all {READER_SLOTS} reader slots of the buffer are held by live "
                            "threads; read from fewer threads at once")
@@ -224,6 +236,13 @@ class _Token:
     """A weak-referenceable object kept in a thread's locals (see ``Readers._claim``)."""
 
 
+def _release_weak(readers, off: int, idle: int) -> None:
+    r = readers()
+    if r is not None and r.mm is not None:
+        r._held.discard(off)
+        _release(r.mm, off, idle)
+
+
 def _release(mm, off: int, idle: int) -> None:
     try:
         word = atomic.load_acquire(mm, off)
@@ -240,6 +259,11 @@ class PackWords:
         self.mm, self.fd, self.plan, self.name = mm, fd, plan, name
         self.words = np.frombuffer(mm, "<u8", plan.n_chunks, plan.words_offset)
         self.readers = Readers(mm, plan)
+
+    def close(self) -> None:
+        """Drop every view of the mapping (the buffer closes; the descriptor is its)."""
+        self.readers.close()
+        self.mm = self.words = None   # type: ignore[assignment]
 
     def _off(self, chunk: int) -> int:
         return self.plan.words_offset + chunk * 8

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -40,7 +41,10 @@ class Unpacker:
     """Reads the packed columns of one buffer (``ring``, its column ``views``)."""
 
     def __init__(self, ring, words: PackWords, codec: Codec):
-        self.ring, self.words, self.codec = ring, words, codec
+        # The ring holds this reader (``Ring.unpacker``): a weak reference back, so that
+        # no cycle keeps a closed buffer's views, and its mapping, alive until a gc pass.
+        self._ring = weakref.ref(ring)
+        self.words, self.codec = words, codec
         self.plan = words.plan
         self.columns = {c.name: c for c in self.plan.columns}
 
@@ -141,7 +145,9 @@ class Unpacker:
                     dest[at] = block_rows[rows[sel] - chunk * k - j * b]
                 except (ValueError, IndexError):
                     seq = int(seqs[sel[0]])
-                    if self.ring.unchanged(np.array([chunk]), np.array([seq]))[0]:
+                    ring = self._ring()
+                    if ring is not None and ring.unchanged(np.array([chunk]),
+                                                           np.array([seq]))[0]:
                         raise CorruptSegmentError(
                             f"chunk {chunk} (seq {seq}) of column {col.name!r}: block {j} "
                             "does not decode, yet the chunk was not recycled") from None

@@ -61,8 +61,11 @@ class Compaction:
                                 conf["hot_steps"], *self._packer.stats(), self._packer.last_error)
 
     def _stop_compressing(self) -> None:
-        if self._packer is not None:
-            self._packer.stop()   # before the mapping goes
+        """At close, before the mapping goes: stop the thread, drop every view."""
+        packer, self._packer = self._packer, None
+        if packer is not None:
+            packer.stop()
+            packer.words.close()
 
 
 def settings(compress, spec, capacity, chunk_size, done_key, meta):
