@@ -502,3 +502,15 @@ def test_close_unmaps_a_buffer_this_thread_read(frames, hot):
     del buf
     with open("/proc/self/maps") as f:
         assert name not in f.read()
+
+
+def test_a_buffer_twice_the_size_of_dev_shm_fits_when_compressed(make_buffer):
+    """create refuses a raw capacity /dev/shm could never hold; compressed, the cold rows are
+    given back, so only the raw columns and the hot rows have to fit."""
+    st = os.statvfs(SHM)
+    steps = 2 * st.f_blocks * st.f_frsize // (3 * 64 * 64)
+    with pytest.raises(shmbuf.SharedMemoryFullError, match="overcommit=True"):
+        make_buffer(spec(), steps)
+    buf = make_buffer(spec(), steps, compress=Compress("obs"))
+    assert buf.stats().total_bytes > st.f_blocks * st.f_frsize
+    assert buf.stats().reserved_bytes < 1 << 20

@@ -424,7 +424,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             raise TypeError(f"{flag} must be True or False, got {value!r}")
     name = generate_name() if name is None else validate_name(name)
     if not overcommit:
-        check_fits(name, *_compression.fit_bytes(layout), layout.capacity, SHM_DIR)
+        check_fits(name, *_compression.fit_bytes(layout, meta or {}), layout.capacity,
+                   SHM_DIR)
     # The header and the writer slots are written by everyone: reserved now.
     # The chunk table, the episode index and the rows follow the tickets (_ring).
     segment = Segment.create(name, layout.total_bytes,

@@ -87,16 +87,18 @@ def settings(compress, spec, capacity, chunk_size, done_key, meta):
     return (tuple(conf["columns"]), conf["block_rows"]), meta
 
 
-def fit_bytes(layout: Layout) -> tuple[int, int, int]:
-    """``check_fits``'s (total, fixed, per-row) bytes: the blob slots are address space only
-    and the packed columns' cold rows are given back, so they count the raw columns only."""
+def fit_bytes(layout: Layout, meta: dict) -> tuple[int, int, int]:
+    """``check_fits``'s (total, fixed, per-row) bytes.  The blob slots are address space
+    only and the cold rows of packed columns are given back, so a compressing buffer
+    counts its raw columns, the hot rows of its packed ones, and its words."""
     row = sum(c.row_bytes for c in layout.columns)
     fixed = layout.columns[0].offset
     if layout.pack is None:
         return layout.total_bytes, fixed, row
     packed = sum(c.row_bytes for c in layout.pack.columns)
     fixed += layout.pack.slots_offset - layout.pack.offset
-    return fixed + (row - packed) * layout.capacity, fixed, row - packed
+    hot = packed * meta[META_KEY]["hot_steps"]
+    return fixed + hot + (row - packed) * layout.capacity, fixed + hot, row - packed
 
 
 def reserve_words(segment: Segment, layout: Layout) -> None:
