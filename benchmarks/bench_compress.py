@@ -124,8 +124,8 @@ def c1_memory(path: str, steps: int) -> list[Row]:
     c = st.compression
     extra = {"steps": steps, "fill_and_compact_s": took, "statvfs_bytes": used,
              "stats_reserved_bytes": st.reserved_bytes, "obs_ratio": c.ratio,
-             "hot_steps": c.hot_steps, "chunks_packed": c.chunks_packed,
-             "chunks_raw": c.chunks_raw}
+             "hot_steps": c.hot_steps, "compressed_chunks": c.compressed_chunks,
+             "raw_chunks": c.raw_chunks}
     rows = [Row("c1", f"/dev/shm after compact, {steps} steps (stats)", "B",
                 [st.reserved_bytes], [raw], "raw bytes of the same steps", ("ratio", "<=", 0.1),
                 paired=True, extra=extra),
@@ -258,7 +258,7 @@ def c4_c6_sampling(path: str, capacity: int, reps: int) -> list[Row]:
         for b in (raw, hot, cold):
             fill(b, frames, done, capacity)
         cold.compact(timeout=WAIT)
-        assert cold.stats().compression.chunks_cold_raw == 0
+        assert cold.stats().compression.cold_raw_chunks == 0
         t_raw, t_hot = [], []
         for _ in range(reps):
             t_raw.extend(timed(lambda: raw.sample_sequences(50, 50), 3))
@@ -349,7 +349,7 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int) -> list[Ro
         def watch(buf=buf, shares=shares, stop=stop):
             while not stop.wait(0.2):
                 c = buf.stats().compression
-                shares.append(c.chunks_cold_raw * buf.chunk_size / capacity)
+                shares.append(c.cold_raw_chunks * buf.chunk_size / capacity)
         t = threading.Thread(target=watch, daemon=True)
         try:
             t.start()

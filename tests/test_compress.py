@@ -91,13 +91,13 @@ def words_left_by(buf, pids):
 
 # -- bad input at create: a clear error, nothing created -----------------------------------
 @pytest.mark.parametrize("make, match", [
-    (lambda: Compress("rgb"), "column 'rgb' is not in the spec"),
+    (lambda: Compress("rgb"), "columns names 'rgb', which is not a column of the spec"),
     (lambda: Compress("obs", codec="gzip"), r"codec must be one of \['lz4', 'zstd'\]"),
     (lambda: Compress("obs", level=23), "level must be an int from -7 to 22"),
     (lambda: Compress("obs", codec="lz4", level=0), "level must be an int from 1 to 12"),
     (lambda: Compress("obs", hot_steps=-1), "hot_steps must be None or an int >= 0"),
     (lambda: Compress("obs", hot_steps=1001), r"hot_steps must be at most the capacity \(1000\)"),
-    (lambda: Compress("done"), "is the done_key"),
+    (lambda: Compress("done"), "columns names .done., the done_key"),
     (lambda: Compress([]), "columns must name at least one column"),
     (lambda: "obs", "compress must be a shmbuf.Compress"),
 ])
@@ -130,7 +130,7 @@ def test_compact_gives_pages_back_to_dev_shm(make_buffer, frames):
     after = shm_used() - base
     st = buf.stats()
     c = st.compression
-    assert c.chunks_cold_raw == 0 and c.chunks_packed == 1024 // 16
+    assert c.cold_raw_chunks == 0 and c.compressed_chunks == 1024 // 16
     assert c.raw_bytes == 1024 * 3 * 64 * 64 and c.ratio > 10
     raw_bytes = raw.stats().reserved_bytes
     # Other processes share /dev/shm: the drop, not the level, is what this buffer did.
@@ -145,7 +145,7 @@ def test_hot_steps_stay_raw(make_buffer, frames):
     fill(buf, frames, 1024)
     buf.compact(timeout=TIMEOUT)
     c = buf.stats().compression
-    assert c.chunks_raw == 256 // 16 and c.chunks_packed == (1024 - 256) // 16
+    assert c.raw_chunks == 256 // 16 and c.compressed_chunks == (1024 - 256) // 16
     assert c.hot_steps == 256
 
 
@@ -157,7 +157,7 @@ def test_noise_stays_raw_and_costs_nothing(make_buffer):
         fill(b, noise, 600)
     assert buf.compact(timeout=TIMEOUT) == 0
     c = buf.stats().compression
-    assert c.chunks_packed == 0 and c.chunks_cold_raw == 0 and c.stored_bytes == 0
+    assert c.compressed_chunks == 0 and c.cold_raw_chunks == 0 and c.stored_bytes == 0
     assert buf.stats().reserved_bytes <= 1.02 * raw.stats().reserved_bytes
     check(noise, buf.sample_sequences(16, 8))
 
@@ -178,7 +178,7 @@ def test_a_writer_wrapping_into_packed_chunks_gets_raw_pages(make_buffer, frames
     buf._packer.stop()     # nothing packs the new rows: the pages they need come back
     fill(buf, frames, 512, start=512)
     st = buf.stats()
-    assert st.compression.chunks_packed == 0
+    assert st.compression.compressed_chunks == 0
     assert st.reserved_bytes > small + 400 * 3 * 64 * 64
     check(frames, buf.sample_sequences(32, 16))
     assert buf.compact(timeout=TIMEOUT) == 512 // 16
@@ -196,7 +196,7 @@ def pair(frames):
             fill(b, frames, 1100, episode=37)
             made.append(b)
         made[1].compact(timeout=TIMEOUT)
-        assert made[1].stats().compression.chunks_packed > 40
+        assert made[1].stats().compression.compressed_chunks > 40
         yield made
     finally:
         for b in made:
@@ -278,7 +278,7 @@ def test_save_and_load_keep_every_step_and_the_compression(pair, frames, tmp_pat
         c = loaded[1].stats().compression
         assert c is not None and c.hot_steps == 64
         loaded[1].compact(timeout=TIMEOUT)
-        assert loaded[1].stats().compression.chunks_packed > 40
+        assert loaded[1].stats().compression.compressed_chunks > 40
         a, b = loaded[0].snapshot()["columns"], loaded[1].snapshot()["columns"]
         assert all(np.array_equal(a[k], b[k]) for k in a)
         check(frames, b)
@@ -327,7 +327,7 @@ def test_samples_stay_true_while_writers_run_and_the_compressor_is_killed(
         buf.compact(timeout=TIMEOUT)          # takes over what the dead left held
         assert words_left_by(buf, killed) == []
         c = buf.stats().compression
-        assert c.chunks_cold_raw == 0 and c.chunks_packed > 0
+        assert c.cold_raw_chunks == 0 and c.compressed_chunks > 0
         for _ in range(5):
             check(frames, buf.sample_sequences(32, 24))
         for ep in buf.iter_episodes():
@@ -355,11 +355,11 @@ def test_an_adopter_goes_on_compressing(frames_file, frames):
         owner.join(TIMEOUT)
         assert owner.exitcode == -signal.SIGKILL
         buf = shmbuf.attach(name, own=True, handle_signals=False)
-        assert buf.stats().compression.chunks_packed == 0
+        assert buf.stats().compression.compressed_chunks == 0
 
         def packed():
             c = buf.stats().compression
-            return True if c.chunks_cold_raw == 0 and c.chunks_packed else None
+            return True if c.cold_raw_chunks == 0 and c.compressed_chunks else None
         from shmbuf.posix.wait import poll
         poll(packed, TIMEOUT, lambda: TimeoutError("the adopter never compressed"))
         check(frames, buf.sample_sequences(16, 20))
@@ -436,7 +436,7 @@ def test_facades_take_compress(frames):
         for i in range(300):
             rb.add({"image": frames[i]}, np.zeros(6, np.float32), 0.0, float(i % 50 == 49))
         rb.buffer.compact(timeout=TIMEOUT)
-        assert rb.buffer.stats().compression.chunks_packed > 0
+        assert rb.buffer.stats().compression.compressed_chunks > 0
         obs = rb.sample()[0]
         assert any(np.array_equal(obs[0, 0], f) for f in frames[:300])
         with pytest.raises(TypeError, match="compress must be True, False, None or a shmbuf"):
@@ -474,13 +474,13 @@ def test_a_compressor_killed_while_holding_a_chunk(make_buffer, frames, phase):
     if phase == "busy":        # another compressor takes the word over
         assert buf.compact(timeout=TIMEOUT) > 0
         assert words_left_by(buf, {p.pid}) == []
-        assert buf.stats().compression.chunks_cold_raw == 0
+        assert buf.stats().compression.cold_raw_chunks == 0
         check(frames, buf.snapshot()["columns"])
     # A writer going round the ring reaches that chunk: whole raw pages again, then
     # steps that read back true (a hole would read zeros, or SIGBUS on a full /dev/shm).
     fill(buf, frames, 512, start=512)
     assert words_left_by(buf, {p.pid}) == []
-    assert buf.stats().compression.chunks_packed == 0
+    assert buf.stats().compression.compressed_chunks == 0
     assert buf.stats().reserved_bytes >= 512 * 3 * 64 * 64
     check(frames, buf.snapshot()["columns"])
     assert buf.compact(timeout=TIMEOUT) == 512 // 16

@@ -95,12 +95,12 @@ class Compress:
         names = list(spec_columns)
         for c in self.columns:
             if c not in names:
-                raise ValueError(f"compress: column {c!r} is not in the spec, whose columns "
-                                 f"are {sorted(names)}")
+                raise ValueError(f"compress: columns names {c!r}, which is not a column of "
+                                 f"the spec; its columns are {sorted(names)}")
         if done_key in self.columns:
-            raise ValueError(f"compress: column {done_key!r} is the done_key, which readers "
-                             "look up in place one step at a time; leave it raw (it is one "
-                             "byte a step)")
+            raise ValueError(f"compress: columns names {done_key!r}, the done_key, which "
+                             "readers look up in place one step at a time; leave it raw (it "
+                             "is one byte a step)")
         if self.hot_steps is not None and self.hot_steps > capacity:
             raise ValueError(f"compress: hot_steps must be at most the capacity ({capacity}), "
                              f"got {self.hot_steps}")
@@ -123,9 +123,9 @@ class CompressionStats:
     ``raw_bytes`` is what the packed columns of the packed chunks would take
     raw, and ``stored_bytes`` the pages of /dev/shm their blocks hold (every
     blob slot page in use, its directory included); ``ratio`` is their
-    quotient.  ``chunks_packed`` chunks hold packed columns now;
-    ``chunks_raw`` hold steps and none (hot, open, still to do, or
-    incompressible), of which ``chunks_cold_raw`` are cold and sealed, the
+    quotient.  ``compressed_chunks`` chunks hold packed columns now;
+    ``raw_chunks`` hold steps and none (hot, open, still to do, or
+    incompressible), of which ``cold_raw_chunks`` are cold and sealed, the
     compressor's backlog.  ``last_error`` is the compressor's last
     ``SharedMemoryFullError`` message in this process, if any.
     """
@@ -134,9 +134,9 @@ class CompressionStats:
     codec: str
     level: int
     hot_steps: int
-    chunks_packed: int
-    chunks_raw: int
-    chunks_cold_raw: int
+    compressed_chunks: int
+    raw_chunks: int
+    cold_raw_chunks: int
     raw_bytes: int
     stored_bytes: int
     last_error: str | None = None
