@@ -42,7 +42,7 @@ from ..sampling.codec import Codec
 ROUND_CHUNKS = 64       # chunks per round at most: one quiescence wait covers them
 ROUND_SHARE = 8         # and at most 1/8 of the chunks: writers skip chunks a round holds
 IDLE_PAUSE = 0.05       # seconds the background thread sleeps when nothing is cold
-THREAD_NICE = 10        # the compressor thread's nice value: writers and the trainer go first
+THREAD_NICE = 19        # the compressor thread's nice value: writers and the trainer go first
 
 
 def candidates(ring, words: PackWords, hot: int) -> np.ndarray:
