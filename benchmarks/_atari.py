@@ -12,7 +12,8 @@ GAMES = ("Breakout", "MsPacman", "Pong", "SpaceInvaders", "Seaquest")
 FRAME = (3, 64, 64)
 
 
-def play(game: str, steps: int, seed: int = 0, max_episode: int = 2000) -> tuple[np.ndarray, np.ndarray]:
+def play(game: str, steps: int, seed: int = 0,
+         max_episode: int = 2000) -> tuple[np.ndarray, np.ndarray]:
     """``steps`` frames of ``game`` in play order, and the done flag of each step.
 
     Args:

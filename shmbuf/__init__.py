@@ -44,8 +44,8 @@ from .writing.writer import Writer
 __version__ = "0.1.0"
 
 __all__ = [
-    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver", "RateLimit", "RateStats", "Compress",
-    "CompressionStats",
+    "Buffer", "Stats", "Writer", "attach", "create", "load", "Saver", "RateLimit", "RateStats",
+    "Compress", "CompressionStats",
     "HistoryBuffer", "ReplayBuffer", "Memory", "Episode", "IRISReplayBuffer", "IRISOnPolicyBuffer",
     "DiamondReplayBuffer", "SequenceDataset",
     "ShmbufError", "SegmentNotFoundError", "SegmentExistsError", "SegmentPermissionError",

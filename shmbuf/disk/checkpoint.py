@@ -83,7 +83,8 @@ def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int, Callable], None],
     for i in range(len(chunks.chunk)):
         base, count = int(chunks.base[i]), int(chunks.count[i])
         if unpack is None:
-            copy(base, count, lambda name: views[name][base:base + count])
+            # called before the loop moves on: the closure's base and count are this chunk's
+            copy(base, count, lambda name: views[name][base:base + count])  # noqa: B023
         else:
             with unpack.reading():
                 copy(base, count, unpack.chunk_reader(views, int(chunks.chunk[i]),
