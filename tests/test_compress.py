@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 import shmbuf
+
+pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
 from shmbuf import Compress
 from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
 
@@ -265,6 +267,19 @@ def test_dataset_and_prefetch_are_bit_identical(pair, frames):
     items = [next(iter(b.dataset(6, 10, batches=1, seed=2))) for b in pair]
     assert np.array_equal(items[0]["obs"].numpy(), items[1]["obs"].numpy())
     check(frames, {k: v.numpy() for k, v in items[1].items()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_dataloader_workers_read_compressed_chunks(pair, frames, method):
+    """Workers attach by name, decode in their own process, and hand over true batches."""
+    from torch.utils.data import DataLoader
+    loader = DataLoader(pair[1].dataset(8, 12, batches=3), batch_size=None, num_workers=2,
+                        multiprocessing_context=method, timeout=TIMEOUT)
+    batches = list(loader)
+    assert len(batches) == 3
+    for b in batches:
+        check(frames, {k: v.numpy() for k, v in b.items()})
 
 
 @pytest.mark.slow
