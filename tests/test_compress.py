@@ -369,8 +369,12 @@ def test_an_adopter_goes_on_compressing(frames_file, frames):
         assert filled.wait(TIMEOUT)
         owner.join(TIMEOUT)
         assert owner.exitcode == -signal.SIGKILL
+        reader = shmbuf.attach(name)       # not the owner: it compresses nothing
+        try:
+            assert reader.stats().compression.compressed_chunks == 0
+        finally:
+            reader.close()
         buf = shmbuf.attach(name, own=True, handle_signals=False)
-        assert buf.stats().compression.compressed_chunks == 0
 
         def packed():
             c = buf.stats().compression
