@@ -533,3 +533,19 @@ def test_a_buffer_twice_the_size_of_dev_shm_fits_when_compressed(make_buffer):
     buf = make_buffer(spec(), steps, compress=Compress("obs"))
     assert buf.stats().total_bytes > st.f_blocks * st.f_frsize
     assert buf.stats().reserved_bytes < 1 << 20
+
+
+def test_write_steps_refuses_a_compressed_column(frames):
+    """A packed step's bytes live in its block: an in-place write would be lost."""
+    buf = shmbuf.create(spec(), 512, chunk_size=16, priorities=True,
+                        compress=Compress("obs", hot_steps=0))
+    try:
+        fill(buf, frames, 512)
+        buf.compact(timeout=TIMEOUT)
+        batch = buf.sample_sequences(4, 8, ids=True)
+        with pytest.raises(ValueError, match="column 'obs' is compressed"):
+            buf.write_steps(batch["ids"], obs=np.zeros((8, 4, *FRAME), np.uint8))
+        check(frames, buf.sample_sequences(16, 8))
+        assert buf.write_steps(batch["ids"], idx=batch["idx"]) == 32   # raw columns: fine
+    finally:
+        buf.close()

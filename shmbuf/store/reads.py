@@ -338,11 +338,18 @@ class Reads:
             raise ValueError(f"ids{at} is {int(ids.min())}; step ids are >= 0; nothing was "
                              "written")
         spec = self._layout.spec()
+        pack = self._layout.pack
+        packed = set() if pack is None else {c.name for c in pack.columns}
         values = {}
         for name, value in columns.items():
             if name not in spec:
                 raise KeyError(f"write_steps: no column {name!r} (columns {sorted(spec)}); "
                                "nothing was written")
+            if name in packed:   # a cold step's bytes are in a compressed block, not its row
+                raise ValueError(f"write_steps: column {name!r} is compressed "
+                                 "(create(compress=...)), so its steps cannot be written in "
+                                 "place; leave it out of Compress's columns. Nothing was "
+                                 "written")
             shape, dtype = spec[name]
             values[name] = coerce(f"write_steps({name}=...)", value, dtype, ids.shape + shape)
         prio = self._ring.prio()
