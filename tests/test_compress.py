@@ -549,3 +549,26 @@ def test_write_steps_refuses_a_compressed_column(frames):
         assert buf.write_steps(batch["ids"], idx=batch["idx"]) == 32   # raw columns: fine
     finally:
         buf.close()
+
+
+def test_the_dreamerv3_replay_takes_compress(frames):
+    from shmbuf.compat.embodied import Replay
+    images = frames.transpose(0, 2, 3, 1)          # DreamerV3's (64, 64, 3)
+    r = Replay(8, 512, compress=Compress("image", hot_steps=0), handle_signals=False)
+    try:
+        for t in range(400):
+            r.add({"image": images[t], "step": np.int64(t)}, worker=0)
+        c = r.buffer.stats().compression
+        assert c is not None and c.columns == ("k0",)
+        r.buffer.compact(timeout=TIMEOUT)
+        assert r.buffer.stats().compression.compressed_chunks > 0
+        data = r.sample(16)
+        assert np.array_equal(data["image"], images[data["step"]])
+    finally:
+        r.close()
+    with pytest.raises(ValueError, match="columns names 'rgb', which is not a key"):
+        bad = Replay(8, 512, compress=Compress("rgb"), handle_signals=False,
+                     spec={"image": ((64, 64, 3), np.uint8)})
+        bad.close()
+    with pytest.raises(TypeError, match="compress must be True, False, None or a shmbuf"):
+        Replay(8, 512, compress="zstd", handle_signals=False)

@@ -32,6 +32,7 @@ from ..segment import segment as _segment
 from ..store import buffer as store
 from ..store.reads import checked_priorities
 from ..writing.cast import coerce
+from ..writing.compress import Compress
 from . import _embodied_disk as disk
 from . import _embodied_draw as draw
 from . import _embodied_rows as rows
@@ -104,6 +105,10 @@ class Replay(Facade):
         handle_signals: as ``shmbuf.create``: None (default) installs shmbuf's
             SIGTERM handler in the main thread if SIGTERM has its default
             action, so that SIGTERM removes the segment; False installs nothing.
+        compress: keep image keys of cold chunks compressed in shared memory: True
+            (every uint8 key of 2 or more dimensions, ``shmbuf.Compress``'s
+            defaults), or a ``shmbuf.Compress`` naming the replay's keys.  None
+            (default): raw.  Keys written back with ``update`` must stay raw.
 
     Raises:
         ValueError / TypeError: a bad argument, naming it (``length >
@@ -121,9 +126,10 @@ class Replay(Facade):
     def __init__(self, length, capacity=None, directory=None, chunksize=1024, online=False,
                  selector=None, save_wait=False, name="unnamed", seed=0, *, spec=None,
                  streams: int = 16, shm_name: str | None = None,
-                 handle_signals: bool | None = None):
+                 handle_signals: bool | None = None, compress=None):
         params = _params(length, capacity, directory, chunksize, online, save_wait, name,
                          seed, streams)
+        params["compress"] = _compress_param(compress)
         params["owner"] = [os.getpid(), _procs.my_start_time()]
         self.selector = _selector(selector, params["seed"])
         schema = None if spec is None else _schema_of_spec(spec)
@@ -195,6 +201,7 @@ class Replay(Facade):
         params = dict(self._params, keys=[[k, list(s), d.str] for k, s, d in schema])
         spec = {f"k{i}": (shape, dtype) for i, (_, shape, dtype) in enumerate(schema)}
         spec.update({c: ((), np.int64) for c in _HIDDEN})
+        compress = _compress_for(params.get("compress"), schema)
         # Small chunks keep the room held for each stream's open chunk small (files
         # keep upstream's chunksize: _embodied_disk cuts them by stream position).
         k = min(params["chunksize"], _STORE_CHUNK)
@@ -205,7 +212,8 @@ class Replay(Facade):
                                   chunk_size=k, max_writers=params["streams"],
                                   done_key=None, seed=self.selector.seed,
                                   meta={"facade": self.FACADE, "params": params},
-                                  overcommit=True, priorities=True, handle_signals=False)
+                                  overcommit=True, priorities=True, handle_signals=False,
+                                  compress=compress)
         except SegmentExistsError:
             buffer = store.attach(self._shm_name, seed=self.selector.seed)
             self._adopt(buffer)
@@ -563,6 +571,37 @@ def _params(length, capacity, directory, chunksize, online, save_wait, name, see
             "chunksize": _int("chunksize", chunksize, 1), "online": bool(online),
             "save_wait": bool(save_wait), "label": name, "seed": _int("seed", seed, 0),
             "streams": _int("streams", streams, 1)}
+
+
+def _compress_param(compress) -> dict | None:
+    """``compress=`` as the replay's parameters record it (plain JSON, checked now)."""
+    if compress is None or compress is False:
+        return None
+    if compress is True:
+        return {"keys": None, "codec": "zstd", "level": 1, "hot_steps": None}
+    if not isinstance(compress, Compress):
+        raise TypeError(f"compress must be True, False, None or a shmbuf.Compress, "
+                        f"got {compress!r}")
+    return {"keys": list(compress.columns), "codec": compress.codec, "level": compress.level,
+            "hot_steps": compress.hot_steps}
+
+
+def _compress_for(conf: dict | None, schema: list) -> Compress | None:
+    """The store's ``Compress`` for the replay's ``conf`` once its keys are known."""
+    if conf is None:
+        return None
+    names = [k for k, _, _ in schema]
+    keys = conf["keys"]
+    if keys is None:    # True: the images
+        keys = [k for k, shape, dtype in schema if dtype == np.uint8 and len(shape) >= 2]
+        if not keys:
+            return None
+    for k in keys:
+        if k not in names:
+            raise ValueError(f"compress: columns names {k!r}, which is not a key of the "
+                             f"replay; its keys are {sorted(names)}")
+    return Compress([f"k{names.index(k)}" for k in keys], codec=conf["codec"],
+                    level=conf["level"], hot_steps=conf["hot_steps"])
 
 
 def _int(arg: str, value, lo: int) -> int:
