@@ -551,10 +551,11 @@ def test_write_steps_refuses_a_compressed_column(frames):
         buf.close()
 
 
-def test_the_dreamerv3_replay_takes_compress(frames):
+def test_the_dreamerv3_replay_takes_compress(frames, tmp_path):
     from shmbuf.compat.embodied import Replay
     images = frames.transpose(0, 2, 3, 1)          # DreamerV3's (64, 64, 3)
-    r = Replay(8, 512, compress=Compress("image", hot_steps=0), handle_signals=False)
+    r = Replay(8, 512, directory=tmp_path / "saved", compress=Compress("image", hot_steps=0),
+               handle_signals=False)
     try:
         for t in range(400):
             r.add({"image": images[t], "step": np.int64(t)}, worker=0)
@@ -564,6 +565,14 @@ def test_the_dreamerv3_replay_takes_compress(frames):
         assert r.buffer.stats().compression.compressed_chunks > 0
         data = r.sample(16)
         assert np.array_equal(data["image"], images[data["step"]])
+        r.save()                                 # the chunk files hold the true frames
+        back = Replay(8, 512, directory=tmp_path / "saved", handle_signals=False)
+        try:
+            back.load()
+            data = back.sample(16)
+            assert np.array_equal(data["image"], images[data["step"]])
+        finally:
+            back.close()
     finally:
         r.close()
     with pytest.raises(ValueError, match="columns names 'rgb', which is not a key"):

@@ -105,7 +105,18 @@ def _copy(replay, segments: list, lo_pos: int, hi_pos: int, stream: int) -> dict
     picked = np.concatenate(parts)
     if not (arrays["stream"][picked] == stream).all():
         return None
-    return {key: arrays[replay._columns[key]][picked] for key, _, _ in replay._keys}
+    unpack = replay.buffer._parts.ring.unpacker
+    if unpack is None:
+        return {key: arrays[replay._columns[key]][picked] for key, _, _ in replay._keys}
+    # Compressed chunks: through the store's packed reader, at each chunk's seq now (the
+    # caller's re-check after the copy rejects a chunk recycled since it listed them).
+    ring = replay.buffer._parts.ring
+    with unpack.reading():
+        chunk = picked // ring.layout.chunk_size
+        seq = (ring.chunk_states()[0][chunk] >> np.uint64(32)).astype(np.int64)
+        flags = unpack.flags(picked[:, None], chunk[:, None], seq[:, None])
+        return {key: unpack.take(replay._columns[key], arrays[replay._columns[key]],
+                                 picked[:, None], flags)[:, 0] for key, _, _ in replay._keys}
 
 
 def load(replay, directory: Path, amount) -> None:
