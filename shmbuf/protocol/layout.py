@@ -575,9 +575,9 @@ def decode_header(buf, segment_bytes: int, name: str) -> tuple[Layout, dict]:
                 else None)
     if done != -1 and done_key is None:
         raise bad(f"done column index {done} is out of range")
-    kw = dict(chunk_size=head["chunk_size"], max_writers=head["max_writers"],
-              done_key=done_key, episode_slots=head["episode_slots"], priorities=priorities,
-              meta_bytes=head["meta_bytes"])
+    kw: dict[str, Any] = dict(chunk_size=head["chunk_size"], max_writers=head["max_writers"],
+                              done_key=done_key, episode_slots=head["episode_slots"],
+                              priorities=priorities, meta_bytes=head["meta_bytes"])
     try:
         layout = plan(user, head["capacity"], **kw)
     except (TypeError, ValueError) as exc:
