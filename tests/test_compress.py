@@ -581,3 +581,19 @@ def test_the_dreamerv3_replay_takes_compress(frames, tmp_path):
         bad.close()
     with pytest.raises(TypeError, match="compress must be True, False, None or a shmbuf"):
         Replay(8, 512, compress="zstd", handle_signals=False)
+
+
+def test_long_metadata_and_compression_share_the_layout(make_buffer, frames):
+    """Metadata past the header's room and the packing area both live after the index."""
+    meta = {"notes": "x" * 5000}
+    buf = make_buffer(spec(), 512, chunk_size=16, meta=meta,
+                      compress=Compress("obs", hot_steps=0))
+    fill(buf, frames, 512)
+    buf.compact(timeout=TIMEOUT)
+    other = shmbuf.attach(buf.name)
+    try:
+        assert other.meta["notes"] == meta["notes"]
+        assert other.stats().compression.compressed_chunks == 512 // 16
+        check(frames, other.sample_sequences(16, 12))
+    finally:
+        other.close()
