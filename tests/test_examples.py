@@ -23,7 +23,10 @@ def test_quickstart_runs_and_summarises():
     assert lines[0].startswith("buffer ") and "starting 2 env workers" in lines[0], lines
     joins = [tuple(map(int, re.match(r"\s+(\d+)/2 workers writing,\s+(\d+) steps", line)
                        .groups())) for line in lines if "workers writing," in line]
-    assert joins and joins == sorted(set(joins)), lines       # each line shows a change
+    # Each line shows a change, and the steps only grow (the number of workers writing
+    # falls again as workers finish, possibly before the last one joins).
+    assert joins and all(a != b for a, b in zip(joins, joins[1:])), lines
+    assert [s for _, s in joins] == sorted(s for _, s in joins), lines
     assert joins[-1][1] >= 1000 and max(j[0] for j in joins) >= 1, lines
     batches = [tuple(map(int, re.match(r"\s+batch\s+(\d+) .* written\s+(\d+)", line).groups()))
                for line in lines if line.lstrip().startswith("batch ")]
