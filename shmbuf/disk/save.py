@@ -14,6 +14,19 @@ A save is a directory that numpy alone can read:
   _priorities.npy (n,) float32, buffers with priorities only: the priority set for each
                   step, NaN where none was (the manifest's "max_priority" is the largest
                   ever set, null if none)
+  _packed.npy     (m, 5) int64, buffers created with ``compress=`` only: one entry per
+                  compressed block saved as it was in shared memory: (column's index in
+                  the spec, first row, rows, byte offset in _blocks.npy, bytes)
+  _blocks.npy     (b,) uint8: those blocks, back to back
+
+A compressing buffer's chunks that are compressed in shared memory are saved
+as they are: their blocks are copied to ``_blocks.npy`` (no decode, no
+encode) and their rows in ``COLUMN.npy`` are left unwritten (holes, which a
+file system stores as nothing, and numpy reads as zeros).  Such a save says
+``"version": 2`` and names the codec under ``"packed"``, so a shmbuf that
+reads only version 1 refuses it instead of loading zeros; a save with no
+compressed block (every save of a buffer without ``compress=``) is version 1,
+as before.  ``load`` decodes the blocks into the rows (``open_save``).
 
 ``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
 Why this format: it is columnar like the buffer, so saving is one write per
@@ -57,9 +70,11 @@ from .checkpoint import FORMAT as STATE_FORMAT
 from .checkpoint import StreamIds, copy_chunks
 
 FORMAT, VERSION = "shmbuf-save", 1
+PACKED_VERSION = 2  # a save holding compressed blocks (_packed.npy, _blocks.npy)
 MANIFEST = "manifest.json"
 STREAM, EPISODE, ENDS, CHUNKS = "_stream", "_episode", "_ends", "_chunks"
 PRIORITIES = "_priorities"
+PACKED, BLOCKS = "_packed", "_blocks"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
 INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
@@ -152,6 +167,17 @@ class _Writer:
                                                np.float32, (), rows)
         self.chunk_starts = _Column(os.path.join(self.path, CHUNKS + ".npy"), np.int64, ())
         self.n_chunks = 0
+        # Compressed blocks copied as they are (a compressing buffer only): the entries
+        # and bytes of kept chunks, and what the chunk being copied adds (kept or not).
+        self.unpack = self.ring.unpacker
+        self.packed: _Column | None = None
+        self.blocks: _Column | None = None
+        self.n_packed = self.n_bytes = 0
+        self.staged: list[tuple[int, int, int, int, int]] = []
+        if self.unpack is not None:
+            self.packed = _Column(os.path.join(self.path, PACKED + ".npy"), np.int64, (5,))
+            self.blocks = _Column(os.path.join(self.path, BLOCKS + ".npy"), np.uint8, ())
+        self.col_index = {c.name: i for i, c in enumerate(lay.user_columns)}
         # Episode ends, so that loading ends every finished episode (a cut one too, at the
         # end of a stream) in the order they ended: the last saved row of each (stream,
         # episode), each stream's newest episode saved, and index entries not matched yet.
@@ -169,18 +195,23 @@ class _Writer:
         before = self.rows
         eps = np.empty(0, np.int64)
 
+        chunk_size = self.ring.layout.chunk_size
+        seq_of = dict(zip(chunks.chunk.tolist(), chunks.seq.tolist()))
+
         def copy(base: int, count: int, read) -> None:   # straight from the mapping
             nonlocal eps
             eps = self.views[EP_COLUMN][base:base + count].copy()  # 8 bytes a row: the only copy
+            packed = self._copy_packed(base // chunk_size, seq_of[base // chunk_size], count)
             for name, col in self.columns.items():
                 if name == PRIORITIES:
                     col.write(self.rows, self.ring.priorities.saved(base, count))
-                elif name not in (STREAM, EPISODE, ENDS):
+                elif name not in (STREAM, EPISODE, ENDS) and name not in packed:
                     col.write(self.rows, read(name))
 
         kept = 0
         for i, sid in copy_chunks(self.ring, chunks, copy, self.ids, self.views):
             kept += 1
+            self._keep_packed()
             count, stream = int(chunks.count[i]), int(chunks.stream[i])
             self.columns[EPISODE].write(self.rows, eps)
             self.columns[ENDS].write(self.rows, np.full(count, -1, np.int64))
@@ -194,7 +225,51 @@ class _Writer:
         self.dropped += len(chunks.chunk) - kept   # recycled while written
         for col in self.columns.values():
             col.truncate(self.rows)  # drop what a recycled last chunk left
+        self.staged = []
+        if self.packed is not None and self.blocks is not None:
+            self.packed.truncate(self.n_packed)
+            self.blocks.truncate(self.n_bytes)
         return self.rows - before
+
+    def _copy_packed(self, chunk: int, seq: int, count: int) -> set[str]:
+        """Copy the blocks of ``chunk``'s columns compressed at ``seq`` to the blocks file,
+        as they are, and stage their entries; return the names of those columns.
+
+        Called inside the reader bracket, before the chunk's seq re-check: blocks of a
+        chunk recycled meanwhile are overwritten by the next chunk's (``_keep_packed``
+        is called only for chunks kept)."""
+        self.staged = []
+        unpack = self.unpack
+        if unpack is None or self.blocks is None:
+            return set()
+        flags = unpack.chunk_flags(chunk, seq, count)
+        if flags is None or not bool(flags.packed[0, 0]):
+            return set()   # raw (or stale: the re-check drops the chunk)
+        mask = int(flags.mask[0, 0])
+        plan, words = unpack.plan, unpack.words
+        b, at = plan.block_rows, self.n_bytes
+        directory = words.read_dir(chunk)
+        names = set()
+        for col in plan.columns:
+            if not mask >> col.bit & 1 or col.name not in self.col_index:
+                continue
+            names.add(col.name)
+            for j in range(-(-count // b)):
+                off, length = (int(x) for x in directory[col.bit, j])
+                blob = words.read_blob(chunk, off, length)
+                self.blocks.write(at, np.frombuffer(blob, np.uint8))
+                self.staged.append((self.col_index[col.name], self.rows + j * b,
+                                    min(b, count - j * b), at, len(blob)))
+                at += len(blob)
+        return names
+
+    def _keep_packed(self) -> None:
+        """The chunk just copied was kept: its staged blocks become part of the save."""
+        if self.staged and self.packed is not None:
+            self.packed.write(self.n_packed, np.array(self.staged, np.int64))
+            self.n_packed += len(self.staged)
+            self.n_bytes = self.staged[-1][3] + self.staged[-1][4]
+        self.staged = []
 
     def mark_ends(self, final: bool) -> None:
         """Write, at the last saved row of each finished episode, its index number.
@@ -226,6 +301,10 @@ class _Writer:
         self.mark_ends(final=not following)
         self.chunk_starts.commit(self.n_chunks)
         files = list(self.columns.values()) + [self.chunk_starts]
+        if self.packed is not None and self.blocks is not None:
+            self.packed.commit(self.n_packed)
+            self.blocks.commit(self.n_bytes)
+            files += [self.packed, self.blocks]
         if durable:
             for col in files:
                 col.sync()
@@ -239,8 +318,14 @@ class _Writer:
 
     def _manifest(self, following: bool) -> dict:
         lay, buf = self.ring.layout, self.buf
+        packed = {}
+        if self.n_packed and self.unpack is not None:
+            packed = {"packed": {"codec": self.unpack.codec.name,
+                                 "block_rows": self.unpack.plan.block_rows,
+                                 "blocks": self.n_packed, "bytes": self.n_bytes}}
         return {
-            "format": FORMAT, "version": VERSION, "rows": self.rows, "chunks": self.n_chunks,
+            "format": FORMAT, "version": PACKED_VERSION if packed else VERSION,
+            "rows": self.rows, "chunks": self.n_chunks, **packed,
             "following": following,
             "spec": {c.name: {"shape": list(c.shape), "dtype": c.dtype.str}
                      for c in lay.user_columns},
@@ -253,8 +338,9 @@ class _Writer:
         }
 
     def close(self) -> None:
-        for col in list(self.columns.values()) + [self.chunk_starts]:
-            col.close()
+        for col in list(self.columns.values()) + [self.chunk_starts, self.packed, self.blocks]:
+            if col is not None:
+                col.close()
 
 
 def _rate_manifest(buf) -> dict:
@@ -438,9 +524,9 @@ def read_json(path) -> dict:
         raise _bad(path, f"{MANIFEST} is not readable JSON ({exc})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise _bad(path, f"{MANIFEST} is not a {FORMAT!r} manifest")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (VERSION, PACKED_VERSION):
         raise _bad(path, f"it has save format version {manifest.get('version')!r} but this "
-                         f"shmbuf reads version {VERSION}")
+                         f"shmbuf reads versions {VERSION} and {PACKED_VERSION}")
     return manifest
 
 
@@ -477,8 +563,10 @@ def read_manifest(path) -> dict:
     return manifest
 
 
-def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int) -> np.ndarray:
-    """``rows`` rows of ``name``.npy, memory-mapped, after checking its header and size."""
+def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int,
+                 mode: str = "r") -> np.ndarray:
+    """``rows`` rows of ``name``.npy, memory-mapped (``mode``: "r", or "c" copy-on-write),
+    after checking its header and size."""
     file = os.path.join(os.fspath(path), name + ".npy")
     try:
         with open(file, "rb") as f:
@@ -501,15 +589,70 @@ def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int) -> n
                          f"bytes, the manifest names {rows} ({need} bytes)")
     if rows == 0:
         return np.empty((0,) + shape, dtype)
-    return np.memmap(file, dtype, "r", offset, (rows,) + shape)
+    return np.memmap(file, dtype, mode, offset, (rows,) + shape)  # type: ignore[call-overload]  # "r" or "c"
+
+
+def _packed_entries(path, manifest: dict) -> np.ndarray:
+    """The checked ``(m, 5)`` entries of a version 2 save's compressed blocks (else none)."""
+    if manifest["version"] != PACKED_VERSION:
+        return np.empty((0, 5), np.int64)
+    info = manifest.get("packed")
+    ok = isinstance(info, dict) and all(
+        isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] >= 0
+        for k in ("blocks", "bytes", "block_rows"))
+    if not ok or not isinstance(info.get("codec"), str):   # type: ignore[union-attr]
+        raise _bad(path, f"manifest field 'packed' is {info!r}")
+    assert isinstance(info, dict)
+    from ..sampling.codec import CODECS
+    if info["codec"] not in CODECS:
+        raise _bad(path, f"its blocks use codec {info['codec']!r}, which this shmbuf does not "
+                         f"know (it knows {sorted(CODECS)})")
+    table = _open_column(path, PACKED, np.dtype(np.int64), (5,), info["blocks"])
+    col, first, n, off, length = (table[:, i] for i in range(5))
+    if len(table) and ((col < 0).any() or (col >= len(manifest["spec"])).any()
+                       or (first < 0).any() or (n <= 0).any()
+                       or (first + n > manifest["rows"]).any() or (off < 0).any()
+                       or (length < 0).any() or (off + length > info["bytes"]).any()):
+        raise _bad(path, f"{PACKED}.npy names blocks outside the rows or outside "
+                         f"{BLOCKS}.npy")
+    return np.asarray(table)
+
+
+def _decode_blocks(path, manifest: dict, packed: np.ndarray, columns: dict) -> None:
+    """Decode each saved block into its rows of ``columns`` (copy-on-write mappings)."""
+    from ..sampling.codec import Codec
+
+    info = manifest["packed"]
+    codec = Codec(info["codec"], 1)   # the level only matters to encoding
+    blocks = _open_column(path, BLOCKS, np.dtype(np.uint8), (), info["bytes"])
+    names = list(manifest["spec"])
+    for col, first, n, off, length in packed.tolist():
+        out = columns[names[col]]
+        want = n * out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+        try:
+            raw = codec.decode(blocks[off:off + length].tobytes(), want)
+        except ValueError:
+            raw = b""
+        if len(raw) != want:
+            raise _bad(path, f"the compressed block of column {names[col]!r} at rows "
+                             f"{first}..{first + n - 1} does not decode to those rows "
+                             f"({BLOCKS}.npy is damaged)")
+        out[first:first + n] = np.frombuffer(raw, out.dtype).reshape((n,) + out.shape[1:])
 
 
 def open_save(path) -> tuple[dict, dict]:
     """(manifest, state): the save as ``Buffer.restore`` takes it, memory-mapped."""
     manifest = read_manifest(path)
     rows = manifest["rows"]
-    columns = {k: _open_column(path, k, dt, shape, rows)
+    packed = _packed_entries(path, manifest)
+    names = list(manifest["spec"])
+    unpacked = {names[i] for i in np.unique(packed[:, 0]).tolist()}
+    # A column with compressed blocks is mapped copy-on-write: decoding writes only the
+    # rows it fills (in private memory), and the file stays as it is.
+    columns = {k: _open_column(path, k, dt, shape, rows, "c" if k in unpacked else "r")
                for k, (shape, dt) in manifest["spec"].items()}
+    if len(packed):
+        _decode_blocks(path, manifest, packed, columns)
     i8 = np.dtype(np.int64)
     stream = _open_column(path, STREAM, i8, (), rows)
     episode = _open_column(path, EPISODE, i8, (), rows)
