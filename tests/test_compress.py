@@ -303,6 +303,89 @@ def test_save_and_load_keep_every_step_and_the_compression(pair, frames, tmp_pat
             shutil.rmtree(tmp_path, ignore_errors=True)
 
 
+def disk_bytes(path) -> int:
+    """Bytes the files under ``path`` take on disk (allocated blocks: holes take none)."""
+    return sum(os.stat(os.path.join(path, f)).st_blocks * 512 for f in os.listdir(path))
+
+
+def test_save_writes_compressed_blocks_as_they_are(pair, frames, tmp_path):
+    import json
+    raw_dir, packed_dir = tmp_path / "raw", tmp_path / "packed"
+    pair[0].save(raw_dir)
+    pair[1].save(packed_dir)
+    manifest = json.loads((packed_dir / "manifest.json").read_text())
+    assert manifest["version"] == 2 and manifest["packed"]["codec"] == "zstd"
+    assert manifest["packed"]["blocks"] > 40
+    # the save of an uncompressed buffer is the version 1 save, file for file
+    assert json.loads((raw_dir / "manifest.json").read_text())["version"] == 1
+    assert not (raw_dir / "_packed.npy").exists() and not (raw_dir / "_blocks.npy").exists()
+    assert disk_bytes(packed_dir) * 4 < disk_bytes(raw_dir)
+    loaded = []
+    try:
+        for d in (raw_dir, packed_dir):
+            loaded.append(shmbuf.load(d, seed=11))
+        assert np.array_equal(pair[0].snapshot()["columns"]["obs"], loaded[1].snapshot()[
+            "columns"]["obs"])
+        want, got = loaded[0].snapshot(), loaded[1].snapshot()   # a load renumbers episodes
+        for k in want["columns"]:
+            assert np.array_equal(want["columns"][k], got["columns"][k])
+        assert np.array_equal(want["episode"], got["episode"])
+        assert np.array_equal(want["ends"], got["ends"])
+        check(frames, got["columns"])
+        a = loaded[0].sample_sequences(8, 16)
+        b = loaded[1].sample_sequences(8, 16)
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    finally:
+        for b in loaded:
+            b.close()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "entry"])
+def test_a_damaged_compressed_save_is_a_corrupt_save_error(pair, tmp_path, damage):
+    pair[1].save(tmp_path / "s")
+    table = np.load(tmp_path / "s" / "_packed.npy")
+    blocks = tmp_path / "s" / "_blocks.npy"
+    header = os.path.getsize(blocks) - int(table[-1, 3] + table[-1, 4])
+    if damage == "flip":        # a byte inside a block (zstd frames carry a checksum)
+        with open(blocks, "r+b") as f:
+            at = header + int(table[3, 3] + table[3, 4] // 2)
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(blocks, os.path.getsize(blocks) - 10)
+    else:                       # an entry pointing past the rows
+        table[0, 1] = 10**9
+        with open(tmp_path / "s" / "_packed.npy", "r+b") as f:
+            f.seek(os.path.getsize(tmp_path / "s" / "_packed.npy") - table.nbytes)
+            f.write(table.tobytes())
+    before = set(os.listdir(SHM))
+    with pytest.raises(shmbuf.CorruptSaveError, match="_blocks.npy|_packed.npy"):
+        shmbuf.load(tmp_path / "s")
+    assert set(os.listdir(SHM)) - before == set()
+
+
+def test_a_following_saver_keeps_compressed_and_raw_chunks_true(make_buffer, frames, tmp_path):
+    buf = make_buffer(spec(), 512, chunk_size=16, seed=5, compress=Compress("obs", hot_steps=64))
+    fill(buf, frames, 400)
+    buf.compact(timeout=TIMEOUT)
+    saver = buf.save(tmp_path / "s", follow=True)
+    try:
+        saver.flush()
+        fill(buf, frames, 300, start=400)   # wraps: new raw chunks, some recycled
+        saver.flush()
+    finally:
+        saver.close()
+    import json
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["version"] == 2
+    assert saver.missed == 0
+    with shmbuf.load(tmp_path / "s", capacity=1024) as back:
+        got = back.snapshot()["columns"]
+        check(frames, got)
+        assert np.array_equal(got["idx"], np.arange(700))   # every step, compressed or raw
+
+
 # -- crashes --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_samples_stay_true_while_writers_run_and_the_compressor_is_killed(
