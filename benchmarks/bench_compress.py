@@ -26,6 +26,11 @@ Rows:
        bounded = keeps up).
   c7b  the same with writers copying stored frames as fast as they can (a stress far above
        any env's rate).
+  c8   Buffer.save of a compressing buffer after compact() (its compressed blocks written as
+       they are) / the same steps in an uncompressed buffer, interleaved rounds: c8 the time,
+       c8d the bytes on disk (allocated blocks), c8l shmbuf.load of each save.
+
+``--only c8`` (keys separated by commas: c1, c2, c3, c4, c7, c8) runs those sections alone.
 """
 from __future__ import annotations
 
@@ -369,6 +374,53 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int) -> list[Ro
     return rows
 
 
+# -- c8: save and load ----------------------------------------------------------------------
+def _disk_bytes(path: str) -> int:
+    return sum(os.stat(os.path.join(path, f)).st_blocks * 512 for f in os.listdir(path))
+
+
+def c8_save(path: str, capacity: int, reps: int) -> list[Row]:
+    import shutil
+    import tempfile
+
+    frames, done = load_frames(path)
+    bufs = []
+    root = tempfile.mkdtemp(prefix="shmbuf-bench-save-")
+    try:
+        for comp in (None, shmbuf.Compress("obs")):
+            buf = shmbuf.create(SPEC, capacity, compress=comp)
+            bufs.append(buf)
+            fill(buf, frames, done, capacity)
+        bufs[1].compact(timeout=WAIT)
+        took: list[list[float]] = [[], []]
+        size: list[list[int]] = [[], []]
+        loads: list[list[float]] = [[], []]
+        for r in range(reps):
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):   # interleaved, order alternating
+                out = os.path.join(root, f"{i}-{r}")
+                t0 = time.perf_counter()
+                bufs[i].save(out)
+                took[i].append(time.perf_counter() - t0)
+                size[i].append(_disk_bytes(out))
+                t0 = time.perf_counter()
+                shmbuf.load(out).close()
+                loads[i].append(time.perf_counter() - t0)
+                shutil.rmtree(out)
+        c = bufs[1].stats().compression
+    finally:
+        for b in bufs:
+            b.close()
+        shutil.rmtree(root, ignore_errors=True)
+    extra = {"steps": capacity, "compressed_chunks": c.compressed_chunks,
+             "raw_chunks": c.raw_chunks, "hot_steps": c.hot_steps}
+    return [Row("c8", f"Buffer.save, {capacity} W1 steps, compressed", "s", took[1], took[0],
+                "save of an uncompressed buffer", ("ratio", "<=", 1.0), extra=extra),
+            Row("c8d", "the save's bytes on disk, compressed", "B", size[1], size[0],
+                "save of an uncompressed buffer", ("ratio", "<=", 0.5)),
+            Row("c8l", "shmbuf.load of the save, compressed (decodes)", "s", loads[1], loads[0],
+                "load of the uncompressed save")]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,7 +428,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="c1's buffer (default 1M, or "
                     "the largest that /dev/shm and memory hold)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    ap.add_argument("--only", default="c1,c2,c3,c4,c7,c8",
+                    help="sections to run, by key, separated by commas")
     args = ap.parse_args()
+    only = set(args.only.split(","))
     per_game, capacity, reps, wsteps, live = (2000, 20_000, 3, 5_000, 1_000) if args.quick \
         else (6000, 100_000, 5, 20_000, 3_000)
     path = frames_file(per_game)
@@ -389,10 +444,14 @@ def main() -> None:
         print(f"c1: /dev/shm or memory holds too little for the asked size; measuring "
               f"{steps} steps and projecting")
     rows: list[Row] = []
-    for fn in (lambda: c1_memory(path, steps), lambda: c2_noise(capacity // 4, reps),
-               lambda: c3_writers(path, capacity, wsteps, reps),
-               lambda: c4_c6_sampling(path, capacity, reps),
-               lambda: c7_keep_up(path, capacity // 4, 4 * wsteps, live)):
+    sections = {"c1": lambda: c1_memory(path, steps), "c2": lambda: c2_noise(capacity // 4, reps),
+                "c3": lambda: c3_writers(path, capacity, wsteps, reps),
+                "c4": lambda: c4_c6_sampling(path, capacity, reps),
+                "c7": lambda: c7_keep_up(path, capacity // 4, 4 * wsteps, live),
+                "c8": lambda: c8_save(path, capacity, reps)}
+    for key, fn in sections.items():
+        if key not in only:
+            continue
         try:
             rows.extend(fn())
         except Exception as exc:   # one section's failure is a row, not a lost run
