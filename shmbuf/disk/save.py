@@ -77,6 +77,7 @@ PRIORITIES = "_priorities"
 PACKED, BLOCKS = "_packed", "_blocks"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
+DECODE_THREADS = 4  # threads that decode a save's compressed blocks at load
 INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
 
 
@@ -626,18 +627,32 @@ def _decode_blocks(path, manifest: dict, packed: np.ndarray, columns: dict) -> N
     codec = Codec(info["codec"], 1)   # the level only matters to encoding
     blocks = _open_column(path, BLOCKS, np.dtype(np.uint8), (), info["bytes"])
     names = list(manifest["spec"])
-    for col, first, n, off, length in packed.tolist():
-        out = columns[names[col]]
-        want = n * out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
-        try:
-            raw = codec.decode(blocks[off:off + length].tobytes(), want)
-        except ValueError:
-            raw = b""
-        if len(raw) != want:
-            raise _bad(path, f"the compressed block of column {names[col]!r} at rows "
-                             f"{first}..{first + n - 1} does not decode to those rows "
-                             f"({BLOCKS}.npy is damaged)")
-        out[first:first + n] = np.frombuffer(raw, out.dtype).reshape((n,) + out.shape[1:])
+    entries = packed.tolist()
+
+    def run(part: range) -> None:   # blocks write disjoint rows: threads share nothing else
+        for e in part:
+            col, first, n, off, length = entries[e]
+            out = columns[names[col]]
+            want = n * out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+            try:
+                raw = codec.decode(blocks[off:off + length].tobytes(), want)
+            except ValueError:
+                raw = b""
+            if len(raw) != want:
+                raise _bad(path, f"the compressed block of column {names[col]!r} at rows "
+                                 f"{first}..{first + n - 1} does not decode to those rows "
+                                 f"({BLOCKS}.npy is damaged)")
+            out[first:first + n] = np.frombuffer(raw, out.dtype).reshape((n,) + out.shape[1:])
+
+    # The codec and numpy's copies release the GIL: decode on a few threads.
+    threads = max(1, min(DECODE_THREADS, os.cpu_count() or 1, len(entries) // 16))
+    if threads == 1:
+        run(range(len(entries)))
+        return
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(threads, thread_name_prefix="shmbuf-load") as pool:
+        for f in [pool.submit(run, range(i, len(entries), threads)) for i in range(threads)]:
+            f.result()
 
 
 def open_save(path) -> tuple[dict, dict]:
