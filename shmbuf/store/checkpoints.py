@@ -79,7 +79,9 @@ class Checkpoints:
         step is saved and no more than the files' own page cache is used.
         The format (one ``.npy`` per column, a JSON manifest, readable with
         numpy alone) is described in ``shmbuf.disk.save``; ``shmbuf.load``
-        rebuilds a buffer from it.
+        rebuilds a buffer from it.  Chunks that are compressed in shared
+        memory (``create(..., compress=...)``) are saved as their compressed
+        blocks, undecoded, and ``load`` decodes them.
 
         Args:
             path: a directory to create.
