@@ -13,9 +13,10 @@ valid window is.
 - ``AgeBuckets(weights)``: the eligible finished episodes, oldest first, in
   ``len(weights)`` contiguous groups of as equal a size as possible; a group
   by weight, an episode uniformly in it, a start uniformly in the episode.
-- ``Prioritized(exponent, maxfrac)``: a window's score is
+- ``Prioritized(exponent, maxfrac, default)``: a window's score is
   ``(maxfrac * max + (1 - maxfrac) * mean) ** exponent`` of its steps'
-  priorities (a buffer made with ``priorities=True``).
+  priorities (a buffer made with ``priorities=True``; a step never updated
+  counts as ``default``, or as the largest priority set so far).
 - ``Mixture([(fraction, selector), ...])``: each window picks its selector
   independently with those probabilities.
 
@@ -154,13 +155,16 @@ class Prioritized(Selector):
 
     A window's score is ``(maxfrac * max + (1 - maxfrac) * mean) ** exponent``
     over its steps' priorities (``Buffer.update_priorities``; a step never
-    updated has the largest priority set so far, 1.0 before any).  Needs a
-    buffer made with ``create(..., priorities=True)``.
+    updated has the priority ``default``).  Needs a buffer made with
+    ``create(..., priorities=True)``.
 
     Args:
         exponent: a finite number >= 0.  Default 0.8.
         maxfrac: the weight of the max in the score, ``0 <= maxfrac <= 1``.
             Default 0.5.
+        default: the priority of a step never updated (in this draw only:
+            nothing is stored), a finite number >= 0; or None (the default):
+            the largest priority set so far, 1.0 before any.
 
     Raises:
         TypeError / ValueError: a bad argument.
@@ -171,12 +175,16 @@ class Prioritized(Selector):
 
     exponent: float = 0.8
     maxfrac: float = 0.5
+    default: float | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "exponent",
                            _real("Prioritized", "exponent", self.exponent, 0.0))
         object.__setattr__(self, "maxfrac",
                            _real("Prioritized", "maxfrac", self.maxfrac, 0.0, 1.0))
+        if self.default is not None:
+            object.__setattr__(self, "default",
+                               _real("Prioritized", "default", self.default, 0.0))
 
     def _check(self, buffer) -> None:
         from .sampling import prioritized as _prioritized
@@ -186,7 +194,8 @@ class Prioritized(Selector):
     def _draw(self, finder, rng, n, length, tail):
         from .sampling import prioritized as _prioritized
 
-        return _prioritized.draw(finder, rng, n, length, tail, self.exponent, self.maxfrac)
+        return _prioritized.draw(finder, rng, n, length, tail, self.exponent, self.maxfrac,
+                                 self.default)
 
 
 _LEAVES = (Uniform, Recency, AgeBuckets, Prioritized)

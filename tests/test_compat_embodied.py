@@ -180,6 +180,28 @@ def test_prioritized_distribution(make, exponent, maxfrac):
     assert chi2_pvalue([counts.get(i, 0) for i in live], score) > 1e-4
 
 
+@pytest.mark.parametrize("exponent,maxfrac", [(1.0, 0.0), (0.5, 0.3)])
+def test_prioritized_never_updated_steps_count_as_initial(make, exponent, maxfrac):
+    # Steps 0..5 get priorities (one far above `initial`); steps 6..11 never do, so
+    # upstream gives them `initial`, not the largest priority set.
+    initial = 2.0
+    r = make(3, 100, selector=Prioritized(exponent=exponent, initial=initial,
+                                          maxfrac=maxfrac, seed=5))
+    fill(r, 12)
+    prio = np.array([0.5, 1.0, 8.0, 0.25, 3.0, 1.5] + [initial] * 6)
+    data = r.sample(64)
+    early = data["step"][:, 0] <= 3   # items wholly within steps 0..5
+    assert set(data["step"][early].ravel().tolist()) == set(range(6))
+    r.update({"stepid": data["stepid"][early], "priority": prio[data["step"][early]]})
+    live = live_items(12, 1, 3, 100)
+    score = []
+    for _, s in live:
+        p = prio[s:s + 3] ** exponent
+        score.append(maxfrac * p.max() + (1 - maxfrac) * p.mean())
+    counts = draw_counts(r, 4000)
+    assert chi2_pvalue([counts.get(i, 0) for i in live], score) > 1e-4
+
+
 def test_mixture_distribution(make):
     uprobs = np.array([1.0, 0.0, 0.0, 0.0])   # always the newest item
     mix = Mixture({"u": Uniform(), "r": Recency(uprobs)}, {"u": 0.5, "r": 0.5}, seed=4)

@@ -32,7 +32,7 @@ def all_ids(buf):
     return buf._ring.priorities.ids(buf.committed_rows())
 
 
-def scores(buf, length, exponent, maxfrac, dreamer_order=False):
+def scores(buf, length, exponent, maxfrac, dreamer_order=False, default=None):
     """Every valid start (as its step's x, ascending) and its score, computed here.
 
     Independent of the library's window finder: the test buffers hold steps
@@ -40,7 +40,8 @@ def scores(buf, length, exponent, maxfrac, dreamer_order=False):
     is valid where its steps are all held and in one episode.  Priorities are
     read through the public ``priorities_of``.  ``dreamer_order``: DreamerV3's
     score (each step's priority raised to the exponent, then mixed) instead
-    of shmbuf's (the mix raised to the exponent).
+    of shmbuf's (the mix raised to the exponent).  ``default``: the priority of a
+    step never set (None: what ``priorities_of`` reads, the largest ever set).
     """
     rows = buf.committed_rows()
     x = buf.arrays["x"][rows].astype(np.int64)
@@ -48,6 +49,8 @@ def scores(buf, length, exponent, maxfrac, dreamer_order=False):
     held[x] = True
     p = np.zeros(len(held))
     p[x] = buf.priorities_of(buf._ring.priorities.ids(rows))
+    if default is not None:
+        p[x[~buf._ring.priorities.values(rows)[1]]] = default
     first = np.arange(len(held) - length + 1)
     window = first[:, None] + np.arange(length)
     valid = held[window].all(1) & (first // EPISODE == (first + length - 1) // EPISODE)
@@ -66,9 +69,9 @@ def draws(buf, calls, n, length, exponent, maxfrac, seed):
                            for i in range(calls)])
 
 
-def law(buf, length, exponent, maxfrac, dreamer_order=False) -> np.ndarray:
+def law(buf, length, exponent, maxfrac, dreamer_order=False, default=None) -> np.ndarray:
     """P(start x) for every x up to the last valid start, under a score."""
-    starts, score = scores(buf, length, exponent, maxfrac, dreamer_order)
+    starts, score = scores(buf, length, exponent, maxfrac, dreamer_order, default)
     probs = np.zeros(int(starts.max()) + 1)
     probs[starts] = score
     return probs / probs.sum()
@@ -269,6 +272,27 @@ def test_prioritized_draws_spread_over_processes_follow_the_score():
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=10)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exponent,default", [(0.8, 2.0), (0.3, 0.5), (1.0, 2000.0), (0.8, 0.0)])
+def test_a_default_priority_scores_the_steps_never_set(exponent, default):
+    # Half the steps are set (largest about 54); the rest count as `default`, below the
+    # largest, far above it (the bound of every proposal rises to it) or 0; exponent 0.3
+    # proposes uniformly.
+    with filled() as buf:
+        set_random(buf, seed=6, frac=0.5)
+        sel = Prioritized(exponent=exponent, maxfrac=0.5, default=default)
+        drawn = np.concatenate([buf.sample_sequences(2000, 8, select=sel, rng=20 + i)["x"][0]
+                                for i in range(20)])
+        truth = law(buf, 8, exponent, 0.5, default=default)
+        assert fit(drawn, truth) > P_MIN
+        running = law(buf, 8, exponent, 0.5)   # today's rule: fresh steps are the largest
+        assert fit(drawn, running) < P_MIN
+        _, score = scores(buf, 8, exponent, 0.5, default=default)
+        got = _prioritized.total(buf, 8, 0, exponent, 0.5, np.random.default_rng(0),
+                                 default=default)
+        assert got == pytest.approx(score.sum(), rel=1e-9)
 
 
 def test_total_is_the_sum_of_scores_and_zero_scores_are_never_drawn():

@@ -265,6 +265,8 @@ def test_dataset_and_prefetch_take_select(filled):
     (lambda: Recency(True), TypeError, "exponent.*real number"),
     (lambda: Prioritized(exponent=float("inf")), ValueError, "exponent.*finite.*inf"),
     (lambda: Prioritized(maxfrac=1.5), ValueError, "maxfrac.*between 0.0 and 1.0.*1.5"),
+    (lambda: Prioritized(default=-0.5), ValueError, "default.*finite.*>= 0.0.*-0.5"),
+    (lambda: Prioritized(default="1"), TypeError, "default.*real number.*'1'"),
 ])
 def test_bad_selectors_name_the_argument(make, err, words):
     with pytest.raises(err, match=words):

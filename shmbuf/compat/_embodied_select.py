@@ -157,13 +157,14 @@ class Prioritized(Selector):
             raise ValueError(f"Prioritized: branching must be an int >= 2, got {branching!r}")
         self.branching = int(branching)
         # Stored priorities are priority ** exponent, scaled so that ``initial`` is 1.0,
-        # the store's value for a step never updated: the store's mean and max then
-        # make upstream's score.
+        # the draw's value for a step never updated (``default=1.0``): the store's mean
+        # and max then make upstream's score.
         self._unit = self.initial ** self.exponent
 
     def pick(self, items, rng, n):
         try:
-            w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac), rng, n)
+            w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac, default=1.0),
+                           rng, n)
         except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
             w = items.core(core.Uniform(), rng, n)
         if self.zero_on_sample:   # as upstream, when the item is selected (in a Mixture too)

@@ -761,14 +761,16 @@ done:
 }
 
 /*
- * score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, tree, score, ratio)
+ * score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, score, ratio)
  *
  * tree: the index of the tree `propose` used (its exponent e0 <= exponent), or
  * -1 for uniform proposals.
  *
  * rows: (m, L) int64, windows located by _windows.find.  score[i] =
  * (maxfrac * max + (1 - maxfrac) * mean) ** exponent of window i's
- * priorities (never-set steps count as `largest`).  ratio[i] = score /
+ * priorities (never-set steps count as `unset`).  `largest` is the bound of
+ * every priority: at least the largest ever set and `unset` (the caller's
+ * rule; count-1 leaves weigh it in `propose` too).  ratio[i] = score /
  * bound: with a tree, bound = (sum of the tree's leaf bounds of the blocks its
  * rows lie in) * largest ** (exponent - e0), the weight `propose` gave it;
  * with -1, bound = largest ** exponent, for uniform proposals.  Accepting window i with probability ratio[i] makes
@@ -779,10 +781,10 @@ score_ratio(PyObject *self, PyObject *args)
 {
     Py_buffer mm, rows, sc, ra;
     PyObject *geo;
-    double exponent, maxfrac, top;
+    double exponent, maxfrac, top, unset;
     int tree;
-    if (!PyArg_ParseTuple(args, "w*Oy*dddiw*w*", &mm, &geo, &rows, &exponent, &maxfrac, &top,
-                          &tree, &sc, &ra))
+    if (!PyArg_ParseTuple(args, "w*Oy*ddddiw*w*", &mm, &geo, &rows, &exponent, &maxfrac, &top,
+                          &unset, &tree, &sc, &ra))
         return NULL;
     PyObject *result = NULL;
     PG g;
@@ -790,7 +792,7 @@ score_ratio(PyObject *self, PyObject *args)
         goto done;
     Py_ssize_t m = sc.len / 8;
     if (sc.len % 8 || ra.len != sc.len || (m > 0 && rows.len % (m * 8)) || tree < -1
-        || tree >= g.s.n_trees) {
+        || tree >= g.s.n_trees || !(unset >= 0) || !(top >= unset)) {
         PyErr_SetString(PyExc_ValueError, "score_ratio: arguments do not fit");
         goto done;
     }
@@ -837,7 +839,7 @@ score_ratio(PyObject *self, PyObject *args)
                     bound += leaf_bound(&g, tree, b, g0);
             }
             uint64_t pw = atomic_load_explicit(word(&g, g.s.prio_rows_at + 8 * row), memory_order_relaxed);
-            double p = pw >> 32 == tag ? (double)f32(pw) : top;
+            double p = pw >> 32 == tag ? (double)f32(pw) : unset;
             hi = p > hi ? p : hi;
             sum += p;
         }
@@ -891,7 +893,7 @@ static PyMethodDef methods[] = {
     {"propose", propose, METH_VARARGS,
      "propose(buffer, geometry, raw, length, tree, largest, starts)"},
     {"score_ratio", score_ratio, METH_VARARGS,
-     "score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, tree, score, ratio)"},
+     "score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, score, ratio)"},
     {"mass", mass, METH_VARARGS, "mass(buffer, geometry, tree, largest) -> float"},
     SHM_READ_GEOMETRY_METHOD,
     {NULL, NULL, 0, NULL},

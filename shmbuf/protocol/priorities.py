@@ -145,13 +145,16 @@ class Priorities:
         return starts
 
     def score_ratio(self, rows: np.ndarray, exponent: float, maxfrac: float, largest: float,
-                    tree: int) -> tuple[np.ndarray, np.ndarray]:
+                    tree: int, unset: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(score, score / proposal bound) of each located window (``tree`` -1: uniform
-        proposals); see ``_prio.score_ratio``."""
+        proposals); never-set steps count as ``unset`` (None: ``largest``), and
+        ``largest`` must bound every priority, ``unset`` included; see
+        ``_prio.score_ratio``."""
         score = np.empty(len(rows), np.float64)
         ratio = np.empty(len(rows), np.float64)
         _prio.score_ratio(self.mm, self.geometry, np.ascontiguousarray(rows, np.int64),
-                          exponent, maxfrac, largest, tree, score, ratio)
+                          exponent, maxfrac, largest, largest if unset is None else unset,
+                          tree, score, ratio)
         return score, ratio
 
     # -- upkeep ----------------------------------------------------------------------

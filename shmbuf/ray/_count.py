@@ -46,7 +46,8 @@ def weight(buf, length: int, tail: int, mode, rng: np.random.Generator) -> float
     if isinstance(mode, Prioritized):
         from shmbuf.sampling import prioritized as _prioritized
 
-        return float(_prioritized.total(buf, length, tail, mode.exponent, mode.maxfrac, rng))
+        return float(_prioritized.total(buf, length, tail, mode.exponent, mode.maxfrac, rng,
+                                        default=mode.default))
     if mode == "episodes":
         return buf.count_episodes(length, tail, rng=rng, probes=PROBES)
     return buf.count_valid_starts(length, tail, rng=rng, probes=PROBES)

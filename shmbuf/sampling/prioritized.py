@@ -5,21 +5,25 @@ of its steps' priorities; ``draw`` returns windows with probability
 proportional to it among the windows that could start now, by rejection:
 
 - a proposal picks a block of a sum tree in proportion to its bound (the
-  largest priority set in it, or the largest ever where a step was never
-  set, to the tree's exponent ``e0``: the largest of ``TREE_EXPONENTS`` that
-  is at most ``exponent``), then one of the ``block + length - 1`` stream
+  largest priority set in it, or ``B`` where a step was never set, to the
+  tree's exponent ``e0``: the largest of ``TREE_EXPONENTS`` that is at most
+  ``exponent``), then one of the ``block + length - 1`` stream
   positions whose window touches the block, uniformly (``_prio.propose``);
   a start is so proposed with weight ``mu`` = the sum of the bounds of the
   blocks its window touches;
 - the window is located and checked by the C window pass like any other;
-- it is accepted with probability ``score / (mu * largest ** (exponent -
-  e0))`` (``_prio.score_ratio``), which is at most 1 because the block
-  holding the window's largest priority is among those summed.
+- it is accepted with probability ``score / (mu * B ** (exponent - e0))``
+  (``_prio.score_ratio``), which is at most 1 because the block holding the
+  window's largest priority is among those summed.
+
+A never-set step counts as ``default`` (None: the largest priority ever set,
+1.0 before any); ``B`` is the larger of that and the largest ever set, so it
+bounds every step's priority whatever ``default`` is.
 
 Accepted windows are independent and exactly distributed by score (up to
 float32 rounding of the tree).  Exponents below every tree's cannot be
 bounded by a tree: they propose starts uniformly and accept with
-``score / largest ** exponent``.  When a few rounds cannot fill the batch
+``score / B ** exponent``.  When a few rounds cannot fill the batch
 (a fresh buffer: few of the proposed positions hold a window yet), every
 committed row is scored and the rest is drawn from those scores.
 """
@@ -57,14 +61,24 @@ def _propose(finder, pri, rng, size: int, length: int, top: float, tree: int) ->
     return rng.integers(0, span, size, dtype=np.int64) if span else np.empty(0, np.int64)
 
 
-def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: float) -> Windows:
-    """``n`` windows drawn in proportion to their score (``sampling.Windows``).
+def _unset(pri, default: float | None) -> tuple[float, float]:
+    """(what a never-set step counts as, ``B``: a bound of every step's priority)."""
+    largest = pri.largest()   # one value for the whole draw
+    if default is None:
+        return largest, largest
+    return default, max(largest, default)
+
+
+def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: float,
+         default: float | None = None) -> Windows:
+    """``n`` windows drawn in proportion to their score (``sampling.Windows``); a
+    never-set step counts as ``default`` (None: the largest priority ever set).
 
     Raises:
         NotEnoughDataError: no window that could start now has a positive score.
     """
     pri = _priorities(finder)
-    top = pri.largest()   # one value for the whole draw: never-set steps and every bound
+    unset, top = _unset(pri, default)
     tree = pri.tree_for(exponent)
     found, need = [], n
     key = (length, tail, exponent, maxfrac)
@@ -77,7 +91,7 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
         raw = _propose(finder, pri, rng, size, length, top, tree)
         starts = raw[raw >= 0]
         w = finder.locate(starts, length, tail, len(starts))
-        _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree)
+        _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree, unset)
         accepted = np.flatnonzero(rng.random(len(ratio)) < ratio)
         if round_ == 0:
             _acceptance[key] = max(len(accepted), 1) / size
@@ -86,15 +100,17 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
         need -= len(take)
         if not need:
             return joined(found)
-    found.append(_enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top))
+    found.append(_enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top,
+                             unset))
     return joined(found)
 
 
-def _enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top) -> Windows:
+def _enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top,
+                unset) -> Windows:
     """``need`` windows drawn by score from every valid start (a fresh or sparse buffer)."""
     starts = finder.ring.committed_rows()
     w = finder.locate(starts, length, tail, len(starts))
-    score, _ = pri.score_ratio(w.rows, exponent, maxfrac, top, -1)
+    score, _ = pri.score_ratio(w.rows, exponent, maxfrac, top, -1, unset)
     total = score.sum()
     if not len(score) or not total > 0:
         raise NotEnoughDataError(
@@ -106,8 +122,9 @@ def _enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top) ->
 
 
 def total(buffer, length: int, tail: int, exponent: float, maxfrac: float, rng,
-          probes: int = 4096) -> float:
-    """The sum of the scores of the windows ``(length, tail)`` that could start now.
+          probes: int = 4096, default: float | None = None) -> float:
+    """The sum of the scores of the windows ``(length, tail)`` that could start now
+    (a never-set step counts as ``default``, as in ``draw``).
 
     Exact while at most ``probes`` rows have been claimed; otherwise an
     unbiased estimate from ``probes`` proposals of the draw (the mean of
@@ -116,16 +133,16 @@ def total(buffer, length: int, tail: int, exponent: float, maxfrac: float, rng,
     """
     finder = buffer._parts.finder
     pri = _priorities(finder)
-    top = pri.largest()
+    unset, top = _unset(pri, default)
     ring = finder.ring
     if ring.claimed_rows() <= probes:
         w = finder.locate(ring.committed_rows(), length, tail, ring.claimed_rows())
-        return float(pri.score_ratio(w.rows, exponent, maxfrac, top, -1)[0].sum())
+        return float(pri.score_ratio(w.rows, exponent, maxfrac, top, -1, unset)[0].sum())
     tree = pri.tree_for(exponent)
     starts = _propose(finder, pri, rng, probes, length, top, tree)
     kept = starts >= 0
     w = finder.locate(starts[kept], length, tail, int(kept.sum()))
-    _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree)
+    _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree, unset)
     if tree >= 0:
         weight = (pri.mass(tree, top) * (pri.block + length - 1)
                   * top ** (exponent - pri.exponents[tree]))
