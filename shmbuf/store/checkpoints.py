@@ -4,36 +4,13 @@ A mixin of ``Buffer``: it holds no state of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 from ..disk import checkpoint as _checkpoint
 from ..disk import save as _saving
-from ..protocol.layout import Layout
-from ..protocol.ring import Ring
-from ..sampling.rng import ProcessRandom
-from ..sampling.windows import WindowFinder
-from ..segment.pages import ChunkPages
-from ..writing.ratelimit import Limiter
-from ..writing.writer import Writer
+from .state import BufferState
 
 
-class Checkpoints:
+class Checkpoints(BufferState):
     """Copies of a ``Buffer``'s live steps, in memory or on disk (see its docs)."""
-
-    # The state these methods read is Buffer's (store/buffer.py sets it).
-    _layout: Layout
-    _ring: Ring
-    _views: dict
-    _finder: WindowFinder
-    _limiter: Limiter | None
-    _random: ProcessRandom
-    _space: Any
-    _pages: ChunkPages
-    _savers: set
-    _check_open: Callable[..., None]
-    _check_live: Callable[[], None]
-    _writer: Callable[..., Writer]
-    name: str
 
     # -- checkpoints --------------------------------------------------------------
     def snapshot(self) -> dict:

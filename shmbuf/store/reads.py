@@ -4,45 +4,23 @@ A mixin of ``Buffer``: it holds no state of its own.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import numpy as np
 
 from .._args import check_int
 from .._errors import SampleRetryError, SampleTooLargeError
 from ..posix.memory import available_bytes
 from ..posix.wait import check_timeout
-from ..protocol.layout import Layout
-from ..protocol.ring import Episodes, Ring
+from ..protocol.ring import Episodes
 from ..sampling.out import prepare_out as _prepare_out
-from ..sampling.rng import ProcessRandom
-from ..sampling.windows import WindowFinder
-from ..segment.pages import ChunkPages
 from ..select import resolve
 from ..writing.cast import coerce
-from ..writing.ratelimit import Limiter
-from ..writing.writer import Writer
+from .state import BufferState
 
 _MAX_REDRAWS = 64
 
 
-class Reads:
+class Reads(BufferState):
     """Sampling, counting, episodes and priorities of a ``Buffer`` (see its docs)."""
-
-    # The state these methods read is Buffer's (store/buffer.py sets it).
-    _layout: Layout
-    _ring: Ring
-    _views: dict
-    _finder: WindowFinder
-    _limiter: Limiter | None
-    _random: ProcessRandom
-    _space: Any
-    _pages: ChunkPages
-    _savers: set
-    _check_open: Callable[..., None]
-    _check_live: Callable[[], None]
-    _writer: Callable[..., Writer]
-    name: str
 
     # -- sampling -------------------------------------------------------------
     def sample_sequences(self, batch_size: int, length: int, *, time_major: bool = True,
