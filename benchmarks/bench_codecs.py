@@ -12,6 +12,12 @@ every block once divided by one thread decoding them once (about 0.5 when decodi
 GIL, about 1.0 when it holds it).  The baseline in every row is ``memcpy``: ``np.copyto`` of the
 same raw bytes in the same run (decode MB/s / memcpy MB/s is the ``vs copy`` column).  Nothing is
 asserted.  Results go to benchmarks/results/bench_codecs.json.
+
+``--stall``: whether one decode call holds the GIL.  A thread decodes one large frame (all of
+a game's frames in one call, tens of ms) while the main thread spins and records its longest
+gap between two iterations.  A codec that holds the GIL stalls the spinner for the whole call
+(the control row: ``sorted`` of a list, a C call that holds it); one that releases it stalls
+it about a thread switch.  Timing-free in its verdict: the stall is compared with the call.
 """
 from __future__ import annotations
 
@@ -108,6 +114,43 @@ def _measure(name: str, codec: Codec, blocks: list[bytes], reps: int) -> dict:
             "decompress_MBps": d_rate, "par2": par}
 
 
+def _longest_gap_during(call: Callable[[], object]) -> tuple[float, float]:
+    """(longest gap of a spinning main thread, duration of ``call`` in another thread), in s."""
+    done = threading.Event()
+    took = [0.0]
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        call()
+        took[0] = time.perf_counter() - t0
+        done.set()
+
+    th = threading.Thread(target=run)
+    last, worst = time.perf_counter(), 0.0
+    th.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        worst, last = max(worst, now - last), now
+    th.join(60)
+    return worst, took[0]
+
+
+def _stall_rows(frames: np.ndarray, codecs: dict) -> list[dict]:
+    raw = frames.tobytes()
+    rows = []
+    control = list(np.random.default_rng(0).random(3_000_000))
+    cases = {"control: sorted (holds)": lambda: sorted(control)}
+    for name, (comp, dec) in codecs.items():
+        packed = comp(raw)
+        cases[name] = lambda dec=dec, packed=packed: dec(packed, len(raw))
+    for name, call in cases.items():
+        gaps = [_longest_gap_during(call) for _ in range(3)]
+        gap, took = min(g for g, _ in gaps), statistics.median(t for _, t in gaps)
+        rows.append({"case": name, "longest_gap_ms": 1e3 * gap, "call_ms": 1e3 * took,
+                     "holds_gil": gap > 0.1 * took})   # for a tenth of the call or more
+    return rows
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.perf_counter()
     fn()
@@ -119,7 +162,15 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    ap.add_argument("--stall", action="store_true", help="only the GIL stall rows")
     args = ap.parse_args()
+    if args.stall:
+        frames = _atari.play(_atari.GAMES[0], 4096, seed=1)[0]
+        print(f"{'case':<26} {'call ms':>8} {'longest gap ms':>15} {'holds GIL':>10}")
+        for r in _stall_rows(frames, _codecs()):
+            print(f"{r['case']:<26} {r['call_ms']:>8.1f} {r['longest_gap_ms']:>15.2f} "
+                  f"{str(r['holds_gil']):>10}", flush=True)
+        return
     steps, reps = (1024, 3) if args.quick else (4096, 5)
     sources = {g: _atari.play(g, steps, seed=1)[0] for g in _atari.GAMES}
     sources["noise"] = _atari.noise(steps)
