@@ -233,6 +233,23 @@ def test_add_batch_fast_path_writes_what_the_python_path_writes(calls):
         _same_contents(fast, slow)
 
 
+def test_fast_path_is_taken_after_extend_opened_the_stream(make_buffer):
+    # extend may open the writer's stream first; the adds after it still go in C.
+    buf = make_buffer(SPEC, 100, chunk_size=8)
+    steps = list(episode_steps(0, 30, 7))
+    with buf.writer() as w:
+        w.extend(**_stack(steps[:5]))
+        assert w._fast_add is not None
+        calls = []
+        real = w._fast_add
+        w._fast_add = lambda cols: calls.append(real(cols)) or calls[-1]
+        for s in steps[5:]:
+            w.add(**s)
+    assert len(calls) == 25 and calls.count(-1) <= 4   # -1 only where a chunk is claimed
+    verify_batch(buf.sample_sequences(20, 5, rng=np.random.default_rng(0)))
+    assert buf.episodes().length.tolist() == [7, 7, 7, 7]
+
+
 def test_fast_path_is_taken_for_exact_values(make_buffer, monkeypatch):
     buf = make_buffer(SPEC, 100, chunk_size=8)
     steps = list(episode_steps(0, 30, 7))

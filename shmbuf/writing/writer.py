@@ -84,6 +84,15 @@ class Writer:
         if self._stop is not None:
             self._stop.check()    # one relaxed load: Buffer.stop_writers ends worker loops
 
+    def _solo_streams(self) -> Streams:
+        """The one stream of ``add`` and ``extend``, opened at the first of them with
+        ``add``'s C fast path (whichever call opens it, later adds take that path)."""
+        s = self._solo
+        if s is None:
+            s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
+            self._fast_add = self._appender(s, "add")
+        return s
+
     def _check_names(self, columns: dict, verb: str) -> None:
         if columns.keys() != self._names:
             missing = sorted(self._names - columns.keys())
@@ -155,10 +164,7 @@ class Writer:
             check_flags(f"add({self._done}=...)", values[self._done_index],
                         self._done_dtype,
                         lambda i: f"this writer's step {self._steps}")
-        s = self._solo
-        if s is None:
-            s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
-            self._fast_add = self._appender(s, "add")
+        s = self._solo_streams()
         row = s.row(0)
         for (_, view, _, _), v in zip(self._cols, values):
             view[row] = v
@@ -273,9 +279,7 @@ class Writer:
             check_flags(f"extend({self._done}=...)", values[self._done_index],
                         self._done_dtype,
                         lambda i: f"step {i} of the run")
-        s = self._solo
-        if s is None:
-            s = self._solo = self._slot.open_streams(1, self._on_claim, self._limit)
+        s = self._solo_streams()
         ends = np.empty(0, np.int64)
         ep = s.ep[0]
         if self._done is not None:
