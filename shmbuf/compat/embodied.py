@@ -63,12 +63,14 @@ class _Name:
 
 
 class _Stream:
-    """One worker's stream in this process: its writer, id and next position."""
+    """One worker's stream in this process: its writer, id, next position, and the
+    buffer's stop word (checked before an item's serial is taken)."""
 
-    __slots__ = ("id", "pos", "writer")
+    __slots__ = ("id", "pos", "stop", "writer")
 
-    def __init__(self, writer):
+    def __init__(self, writer, stop):
         self.writer = writer
+        self.stop = stop
         self.id = draw.stream_id()
         self.pos = 0
 
@@ -281,7 +283,7 @@ class Replay(Facade):
         s = self._stream(worker)
         # A stopped buffer refuses the step: check before an item's serial is taken, so
         # that a refused step counts no item (a stop that lands in between costs one).
-        self.buffer._parts.ring.stop_mark.check()
+        s.stop.check()
         item = self.buffer.next_serial() if s.pos >= self.length - 1 else -1
         s.writer.add(**values, item=item, stream=s.id, pos=s.pos)
         s.pos += 1
@@ -318,7 +320,8 @@ class Replay(Facade):
                             f"add(worker={worker!r}): replay {self.label!r} already has "
                             f"{self._params['streams']} workers adding (streams=); make it "
                             "with Replay(..., streams=N) for more") from None
-                    s = self._streams[worker] = _Stream(writer)
+                    s = self._streams[worker] = _Stream(
+                        writer, self.buffer._parts.ring.stop_mark)
         return s
 
     # -- sampling -------------------------------------------------------------------
