@@ -7,10 +7,13 @@ from shmbuf.select import Prioritized
 
 def draw_starts(name, seed, calls, n, length, exponent, maxfrac, conn):
     """Send the first steps (x) of ``calls * n`` prioritized windows drawn in this process."""
-    buf = shmbuf.attach(name, seed=seed)
+    buf = shmbuf.attach(name)
+    # An explicit generator: an attached handle's own stream depends on this process's
+    # pid (one stream per process), which would make the test's draws differ run to run.
+    rng = np.random.default_rng(seed)
     try:
         sel = Prioritized(exponent=exponent, maxfrac=maxfrac)
-        conn.send(np.concatenate([buf.sample_sequences(n, length, select=sel)["x"][0]
+        conn.send(np.concatenate([buf.sample_sequences(n, length, select=sel, rng=rng)["x"][0]
                                   for _ in range(calls)]))
     finally:
         buf.close()
