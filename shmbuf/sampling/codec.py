@@ -68,6 +68,8 @@ class Codec:
         self._local = threading.local()
         self._encode: Callable[[bytes], bytes]
         self._decode: Callable[[bytes, int], bytes]
+        self._size: Callable[[bytes], int]
+        self._into: Callable[[bytes, memoryview], int] | None = None
         if name == "zstd":
             self._mod = mod
 
@@ -77,6 +79,12 @@ class Codec:
 
             def decode(blob: bytes, n: int) -> bytes:
                 return self._tl("d", mod.ZstdDecompressor).decompress(blob, max_output_size=n)
+
+            def into(blob: bytes, dest: memoryview) -> int:
+                # A reader over the whole frame decodes it in one pass straight into dest.
+                return self._tl("d", mod.ZstdDecompressor).stream_reader(blob).readinto(dest)
+
+            self._size, self._into = mod.frame_content_size, into
         else:
             def encode(raw: bytes) -> bytes:
                 return mod.compress(raw, mode="high_compression" if level > 1 else "default",
@@ -84,6 +92,11 @@ class Codec:
 
             def decode(blob: bytes, n: int) -> bytes:
                 return mod.decompress(blob)
+
+            def size(blob: bytes) -> int:   # lz4.block's default header: the size, u32 LE
+                return int.from_bytes(blob[:4], "little") if len(blob) >= 4 else -1
+
+            self._size = size
         self._encode, self._decode = encode, decode
 
     def _tl(self, key: str, make):
@@ -111,3 +124,36 @@ class Codec:
         if not 0 < len(out) <= n:
             raise ValueError(f"a {self.name} block decoded to {len(out)} bytes, not 1 to {n}")
         return out
+
+    def block_bytes(self, blob: bytes) -> int:
+        """The size ``blob`` says it decodes to, from its header; -1 if it has none."""
+        try:
+            return int(self._size(blob))
+        except Exception:   # not a frame header: decoding will say so
+            return -1
+
+    def decode_into(self, blob: bytes, dest, n: int) -> int:
+        """Decode ``blob``, a block of at most ``n`` bytes, into the start of ``dest`` (a
+        writable contiguous buffer of at least ``n`` bytes); returns the bytes decoded.
+
+        Raises:
+            ValueError: as ``decode``; ``dest`` may then hold part of a block.
+        """
+        mv = memoryview(dest).cast("B")
+        if self._into is None:
+            raw = self.decode(blob, n)
+            mv[:len(raw)] = raw
+            return len(raw)
+        try:
+            size = self._size(blob)
+        except Exception as exc:   # not even a frame header
+            raise ValueError(f"not a {self.name} block of at most {n} bytes") from exc
+        if not 0 < size <= min(n, len(mv)):
+            raise ValueError(f"a {self.name} block of {size} bytes, not 1 to {n}")
+        try:
+            got = self._into(blob, mv[:size])
+        except Exception as exc:
+            raise ValueError(f"not a {self.name} block of {size} bytes") from exc
+        if got != size:
+            raise ValueError(f"a {self.name} block decoded to {got} bytes, not {size}")
+        return size

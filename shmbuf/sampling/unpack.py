@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
@@ -115,43 +116,64 @@ class Unpacker:
     def _decode(self, col, view, rows, chunks, seqs, out, where) -> None:
         """Decode each block the ``rows`` touch once and copy its rows to ``out[where]``.
 
-        Blocks are split between this thread and ``DECODE_THREADS - 1`` helpers (the
-        codec and numpy's copies release the GIL), each writing disjoint rows."""
+        Where a block's rows go to consecutive output rows (a window's rows in a
+        C-ordered batch), the block is decoded straight into the output when the
+        window covers it whole, or into this thread's scratch block and copied as
+        one slice; other layouts gather through a fancy index.  Blocks are split
+        between this thread and ``DECODE_THREADS - 1`` helpers (the codec and
+        numpy's copies release the GIL), each writing disjoint rows."""
         plan, k, b = self.plan, self.plan.chunk_size, self.plan.block_rows
         key = chunks * plan.n_blocks + (rows - chunks * k) // b
         order = np.argsort(key, kind="stable")
         skey = key[order]
         firsts = np.flatnonzero(np.r_[True, skey[1:] != skey[:-1]])
         lasts = np.r_[firsts[1:], len(skey)]
-        shape = view.shape[1:]
+        shape, row_bytes, block_bytes = view.shape[1:], col.row_bytes, b * col.row_bytes
+        local = rows[order] - (skey % plan.n_blocks) * b - (skey // plan.n_blocks) * k
         if out.flags.c_contiguous:      # copy straight into the output rows
             dest, pos = out.reshape((-1,) + shape), np.flatnonzero(where.reshape(-1))
+            # A group whose sorted rows and output positions both step by one is one slice.
+            spos = pos[order]
+            bad = np.r_[0, np.cumsum((np.diff(spos) != 1) | (np.diff(local) != 1))]
+            runs = (bad[lasts - 1] - bad[firsts]) == 0
         else:
             dest, pos = np.empty((len(rows),) + shape, view.dtype), None
+            spos = np.arange(len(rows))[order]
+            runs = np.zeros(len(firsts), bool)
+        flat = dest.reshape(len(dest), -1).view(np.uint8) if dest.size else None
         chunk_of = skey[firsts] // plan.n_blocks
         dirs = {c: self.words.read_dir(c) for c in np.unique(chunk_of).tolist()}
+        codec, words = self.codec, self.words
 
         def run(part: range) -> None:
+            scratch = _scratch(block_bytes)
+            block_rows = scratch.view(view.dtype).reshape((-1,) + shape)
             for g in part:
                 first, last = int(firsts[g]), int(lasts[g])
                 chunk, j = divmod(int(skey[first]), plan.n_blocks)
-                sel = order[first:last]
                 off, length = (int(x) for x in dirs[chunk][col.bit, j])
-                at = sel if pos is None else pos[sel]
+                lo, m = int(local[first]), last - first
                 try:
-                    raw = self.codec.decode(self.words.read_blob(chunk, off, length),
-                                            b * col.row_bytes)
-                    block_rows = np.frombuffer(raw, view.dtype).reshape((-1,) + shape)
-                    dest[at] = block_rows[rows[sel] - chunk * k - j * b]
+                    blob = words.read_blob(chunk, off, length)
+                    if runs[g]:
+                        a0 = int(spos[first])
+                        if lo == 0 and codec.block_bytes(blob) == m * row_bytes:
+                            codec.decode_into(blob, flat[a0:a0 + m], m * row_bytes)
+                            continue       # the window covers the block: no copy at all
+                        codec.decode_into(blob, scratch, block_bytes)
+                        dest[a0:a0 + m] = block_rows[lo:lo + m]
+                    else:
+                        codec.decode_into(blob, scratch, block_bytes)
+                        dest[spos[first:last]] = block_rows[local[first:last]]
                 except (ValueError, IndexError):
-                    seq = int(seqs[sel[0]])
+                    seq = int(seqs[order[first]])
                     ring = self._ring()
                     if ring is not None and ring.unchanged(np.array([chunk]),
                                                            np.array([seq]))[0]:
                         raise CorruptSegmentError(
                             f"chunk {chunk} (seq {seq}) of column {col.name!r}: block {j} "
                             "does not decode, yet the chunk was not recycled") from None
-                    dest[at] = 0      # recycled under us: the caller's re-check rejects it
+                    dest[spos[first:last]] = 0   # recycled under us: the re-check rejects it
 
         n = len(firsts)
         helpers = _pool() if n >= 2 * MIN_SHARE else None
@@ -170,6 +192,17 @@ class Unpacker:
 DECODE_THREADS = 2   # threads that decode one read's blocks (this one and a helper)
 MIN_SHARE = 8        # blocks per thread below which one thread decodes them all
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's scratch block of ``nbytes`` (kept, so that a read allocates nothing)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
 
 
 def _pool() -> ThreadPoolExecutor:
