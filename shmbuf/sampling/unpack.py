@@ -140,7 +140,7 @@ class Unpacker:
             dest, pos = np.empty((len(rows),) + shape, view.dtype), None
             spos = np.arange(len(rows))[order]
             runs = np.zeros(len(firsts), bool)
-        flat = dest.reshape(len(dest), -1).view(np.uint8) if dest.size else None
+        flat = dest.reshape(len(dest), row_bytes // view.dtype.itemsize).view(np.uint8)
         chunk_of = skey[firsts] // plan.n_blocks
         dirs = {c: self.words.read_dir(c) for c in np.unique(chunk_of).tolist()}
         codec, words = self.codec, self.words
