@@ -12,6 +12,12 @@ the protocol and its proofs; in short:
   given back, ``PACKED``), which columns are packed, and the compressor's pid
   while it holds the word.  Only a compressor that won the word by CAS
   writes the chunk's blob slot or punches its raw pages.
+- The word has no room for the holder's start time, so each chunk has a
+  second word, its stamp: ``pid << 42 | start time``, stored by a compressor
+  before its CAS (and again once it won).  A holder whose pid runs but whose
+  stamp names that pid with another start time died and its pid was reused:
+  the chunk is adopted at once.  A stamp naming another pid (a racing
+  compressor's) proves nothing either way, and the holder counts as alive.
 - A reader marks its slot odd (a seq_cst store and fence) before it loads
   chunk words, and even when its copies are done.  A compressor publishes
   ``PUNCHING`` by CAS and then waits until every slot that was odd has
@@ -69,10 +75,26 @@ def unpack_word(word: int) -> tuple[int, int, int, int]:
     return word >> 32, (word >> 30) & 3, (word >> 22) & 0xFF, word & PID_MASK
 
 
-def holder_alive(pid: int) -> bool:
-    """True if ``pid`` runs.  Chunk words hold no start time (no room): a reused pid reads
-    as alive, which only delays that chunk until the process with the reused pid ends."""
-    return pid > 0 and start_time(pid) is not None
+STAMP_PID_SHIFT = 42
+STAMP_START_MASK = (1 << STAMP_PID_SHIFT) - 1
+
+
+def stamp_of(pid: int, start: int) -> int:
+    """A chunk's stamp: the holder's pid and its start time (clock ticks since boot)."""
+    return (pid & PID_MASK) << STAMP_PID_SHIFT | (start & STAMP_START_MASK)
+
+
+def holder_alive(pid: int, stamp: int = 0) -> bool:
+    """True if the compressor ``pid`` that a chunk word names may still run: its pid runs,
+    and the chunk's ``stamp``, if it names that pid, names its start time too."""
+    if pid <= 0:
+        return False
+    actual = start_time(pid)
+    if actual is None:
+        return False
+    if stamp >> STAMP_PID_SHIFT != pid:
+        return True      # no stamp of this holder (a racer's, or none yet): assume it runs
+    return stamp & STAMP_START_MASK == actual & STAMP_START_MASK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +110,7 @@ class PackPlan:
     """Where the packing area's parts are, from the layout and the ``Compress`` settings.
 
     The area starts page-aligned after the columns: ``READER_SLOTS`` reader
-    entries, one word per chunk, then ``n_chunks`` blob slots of
+    entries, one word and one stamp per chunk, then ``n_chunks`` blob slots of
     ``slot_bytes`` (page multiples).  A slot holds a directory (``DIR_ENTRY``
     per block of each packed column) and the blocks.  A column is kept
     packed only if it shrinks ``MIN_RATIO`` times, so a slot of the
@@ -106,6 +128,7 @@ class PackPlan:
     columns: tuple[PackedColumn, ...]
     readers_offset: int
     words_offset: int
+    stamps_offset: int
     slots_offset: int
     slot_bytes: int
     total_bytes: int
@@ -140,14 +163,15 @@ def plan_packing(offset: int, n_chunks: int, chunk_size: int, capacity: int, blo
     (``(name, offset, row_bytes)`` each, in the order of their mask bits)."""
     start = -(-offset // PAGE) * PAGE
     words = start + READER_SLOTS * READER_ENTRY
-    slots = -(-(words + n_chunks * 8) // PAGE) * PAGE
+    stamps = words + n_chunks * 8
+    slots = -(-(stamps + n_chunks * 8) // PAGE) * PAGE
     n_blocks = -(-chunk_size // block_rows)
     dir_bytes = len(columns) * n_blocks * DIR_ENTRY
     kept = sum(math.floor(chunk_size * rb / MIN_RATIO) for _, _, rb in columns)
     slot_bytes = -(-(dir_bytes + kept) // PAGE) * PAGE
     cols = tuple(PackedColumn(n, o, rb, i) for i, (n, o, rb) in enumerate(columns))
-    return PackPlan(start, n_chunks, chunk_size, capacity, block_rows, cols, start, words, slots,
-                    slot_bytes, slots + n_chunks * slot_bytes)
+    return PackPlan(start, n_chunks, chunk_size, capacity, block_rows, cols, start, words,
+                    stamps, slots, slot_bytes, slots + n_chunks * slot_bytes)
 
 
 def punch(fd: int, start: int, end: int) -> None:
@@ -295,6 +319,19 @@ class PackWords:
         return os.pread(self.fd, length, plan.slot(chunk) + offset)
 
     # -- compressors -------------------------------------------------------------------
+    def stamp(self, chunk: int) -> int:
+        """``chunk``'s stamp (see ``holder_alive``)."""
+        return atomic.load_acquire(self.mm, self.plan.stamps_offset + chunk * 8)
+
+    def held_by_live(self, chunk: int, pid: int) -> bool:
+        """True if the compressor ``pid`` that ``chunk``'s word names may still run."""
+        return holder_alive(pid, self.stamp(chunk))
+
+    def mark(self, chunk: int) -> None:
+        """Stamp ``chunk`` with this process: before a CAS that may name it, and after."""
+        atomic.store_release(self.mm, self.plan.stamps_offset + chunk * 8,
+                             stamp_of(os.getpid(), my_start_time()))
+
     def take(self, chunk: int, expected: int, desired: int) -> bool:
         """CAS ``chunk``'s word; then a seq_cst fence, so the caller's next load of the
         chunk's state comes after it (the Dekker pair with ``on_recycle``)."""
@@ -351,7 +388,7 @@ class PackWords:
             if word == 0:
                 return True
             _, phase, _, pid = unpack_word(word)
-            if phase in (BUSY, PUNCHING) and holder_alive(pid):
+            if phase in (BUSY, PUNCHING) and self.held_by_live(chunk, pid):
                 return False
             # Packed, or left by a dead compressor: raw pages may be holes.  Reserving
             # pages that are reserved changes nothing, so this is always safe.

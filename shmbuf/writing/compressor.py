@@ -14,7 +14,7 @@ again.  See ``protocol.packing`` and docs/design.md.
 
 Who compresses: a background thread of the owner (``start``), and anyone who
 calls ``Buffer.compact``.  Two rounds in one process never overlap (a lock):
-the words tell processes apart by pid only.
+the words and stamps tell processes apart, not threads.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ from ..protocol.packing import (
     PACKED,
     PUNCHING,
     PackWords,
-    holder_alive,
     pack_word,
     unpack_word,
 )
@@ -123,14 +122,16 @@ class Packer:
         seq, sealed, count = self._state(chunk)
         if not sealed or seq & 1 or not count:
             return None
-        if phase in (BUSY, PUNCHING) and holder_alive(pid):
+        if phase in (BUSY, PUNCHING) and words.held_by_live(chunk, pid):
             return None
         if phase == PACKED and wseq == seq:
             return None
+        words.mark(chunk)       # before the CAS: a holder is never seen without its stamp
         if phase == PUNCHING and wseq == seq:     # a dead compressor's finished blob
             mine = pack_word(seq, PUNCHING, mask, me)
             if not words.take(chunk, w, mine):
                 return None
+            words.mark(chunk)   # again: a racer that lost may have stamped after us
             if self._state(chunk)[:2] != (seq, True):
                 words.take(chunk, mine, w)
                 return None
@@ -138,6 +139,7 @@ class Packer:
         busy = pack_word(seq, BUSY, 0, me)
         if not words.take(chunk, w, busy):
             return None
+        words.mark(chunk)
         try:
             # After the CAS and its fence: a recycler that claimed the chunk before
             # now shows here; one that claims it later sees BUSY and backs off.

@@ -78,3 +78,8 @@ def die_holding(name: str, phase: str, held):
     held.close()
     held.join_thread()      # the queue's feeder thread has sent it: now die
     os.kill(os.getpid(), 9)
+
+
+def wait_for(release, timeout: float = WAIT):
+    """Stay alive (a process whose pid a chunk word can name) until ``release`` is set."""
+    release.wait(timeout)
