@@ -27,6 +27,8 @@ Rows:
        bounded = keeps up).
   c7b  the same with writers copying stored frames as fast as they can (a stress far above
        any env's rate).
+  c7r  steps a second one compressor thread packs (compact() of a full cold buffer) / the
+       insert rate of c7a's writers (>= 1: it keeps up); c7rb the same against c7b's.
   c8   Buffer.save of a compressing buffer after compact() (its compressed blocks written as
        they are) / the same steps in an uncompressed buffer, interleaved rounds: c8 the time,
        c8d the bytes on disk (allocated blocks), c8l shmbuf.load of each save.
@@ -386,7 +388,32 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int) -> list[Ro
                         extra={"median_share": statistics.median(shares) if shares else 0.0,
                                "last_share": shares[-1] if shares else 0.0,
                                "insert_steps_per_s": 2 / per_step, "samples": len(shares)}))
+    speed = _compress_speed(path, capacity)
+    for key, row in (("c7r", rows[0]), ("c7rb", rows[1])):
+        rate = row.extra["insert_steps_per_s"]
+        rows.append(Row(key, "compressor steps/s, one thread / " + (
+            "2 live ALE writers' inserts" if key == "c7r" else "2 flat-out copiers' inserts"),
+            "/s", speed, [rate], "the writers' insert rate above", ("ratio", ">=", 1.0)
+            if key == "c7r" else None, paired=False))
     return rows
+
+
+def _compress_speed(path: str, capacity: int, reps: int = 3) -> list[float]:
+    """Steps a second that one thread compresses (``compact()``, every chunk cold)."""
+    frames, done = load_frames(path)
+    out = []
+    for r in range(reps):
+        buf = shmbuf.create(SPEC, capacity, compress=shmbuf.Compress("obs", hot_steps=0))
+        try:
+            buf._packer.stop()
+            fill(buf, frames, done, capacity, start=r * 7919)
+            t0 = time.perf_counter()
+            buf.compact(timeout=WAIT)
+            out.append(buf.stats().compression.compressed_chunks * buf.chunk_size
+                       / (time.perf_counter() - t0))
+        finally:
+            buf.close()
+    return out
 
 
 # -- c8: save and load ----------------------------------------------------------------------

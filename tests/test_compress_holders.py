@@ -9,11 +9,11 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+from helpers.atari import FRAME, play
 
 import shmbuf
 from shmbuf.posix.procs import start_time
 from shmbuf.protocol.packing import BUSY, PACKED, pack_word, stamp_of, unpack_word
-from tests.helpers.atari import FRAME, play
 
 pytest.importorskip("zstandard")
 TIMEOUT = 60
@@ -27,7 +27,7 @@ def frames():
 @pytest.fixture
 def live_pid():
     """The pid of a live child that takes no part in the buffer."""
-    from tests.helpers import compress_workers as cw
+    from helpers import compress_workers as cw
     ctx = mp.get_context("spawn")
     release = ctx.Event()
     p = ctx.Process(target=cw.wait_for, args=(release,))

@@ -10,9 +10,9 @@ import os
 
 import numpy as np
 import pytest
+from helpers.atari import FRAME, play
 
 import shmbuf
-from tests.helpers.atari import FRAME, play
 
 pytest.importorskip("zstandard")
 TIMEOUT = 60

@@ -64,7 +64,8 @@ class Unpacker:
         ok = chunks >= 0
         words = self.words.load(np.where(ok, chunks, 0))
         phase = (words >> np.uint64(30)) & np.uint64(3)
-        cooked = ok & (phase >= PUNCHING)
+        # A chunk packed with no column (none shrank: noise) reads raw, like a raw one.
+        cooked = ok & (phase >= PUNCHING) & ((words >> np.uint64(22)) & np.uint64(0xFF) != 0)
         if not cooked.any():
             return None
         match = (words >> np.uint64(32)) == (seqs.astype(np.uint64) & _U32)
