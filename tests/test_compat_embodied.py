@@ -202,6 +202,40 @@ def test_prioritized_never_updated_steps_count_as_initial(make, exponent, maxfra
     assert chi2_pvalue([counts.get(i, 0) for i in live], score) > 1e-4
 
 
+@pytest.mark.parametrize("maxfrac", [0.0, 0.5])
+def test_prioritized_initial_inf_draws_new_items_first(make, maxfrac):
+    # DreamerV3's config: initial=inf.  While items hold a never-updated step, upstream
+    # draws uniformly among them; once every step has a priority, by the finite scores.
+    r = make(3, 100, selector=Prioritized(exponent=0.8, initial=float("inf"),
+                                          maxfrac=maxfrac, seed=6))
+    fill(r, 12)
+    prio = np.array([0.5, 1.0, 8.0, 0.25, 3.0, 1.5, 2.0, 0.75, 4.0, 1.0, 0.5, 6.0])
+    data = r.sample(64)
+    early = data["step"][:, 0] <= 3   # items wholly within steps 0..5
+    r.update({"stepid": data["stepid"][early], "priority": prio[data["step"][early]]})
+    live = live_items(12, 1, 3, 100)
+    fresh = [float(s + 2 >= 6) for _, s in live]   # an item holding a step of 6..11
+    counts = draw_counts(r, 2000)
+    assert set(counts) <= {i for i, f in zip(live, fresh) if f}
+    assert chi2_pvalue([counts.get(i, 0) for i in live if fresh[live.index(i)]],
+                       [f for f in fresh if f]) > 1e-4
+    every = r.sample(200)    # steps 6..11 get their priorities too: finite scores now
+    r.update({"stepid": every["stepid"], "priority": prio[every["step"]]})
+    score = []
+    for _, s in live:
+        p = prio[s:s + 3] ** 0.8
+        score.append(maxfrac * p.max() + (1 - maxfrac) * p.mean())
+    counts = draw_counts(r, 4000)
+    assert chi2_pvalue([counts.get(i, 0) for i in live], score) > 1e-4
+
+
+def test_prioritized_initial_refuses_nan_and_names_inf():
+    with pytest.raises(ValueError, match=r"initial must be a finite number in .* or inf"):
+        Prioritized(initial=float("nan"))
+    with pytest.raises(ValueError, match="initial must be > 0 or inf"):
+        Prioritized(initial=0.0)
+
+
 def test_mixture_distribution(make):
     uprobs = np.array([1.0, 0.0, 0.0, 0.0])   # always the newest item
     mix = Mixture({"u": Uniform(), "r": Recency(uprobs)}, {"u": 0.5, "r": 0.5}, seed=4)

@@ -45,6 +45,10 @@ class Items:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
         return selector._draw(rows.finder(self.buffer), rng, n, self.length, 0)
 
+    def fresh(self, w: Windows) -> np.ndarray:
+        """Per window of ``w``: True if one of its steps never got a priority."""
+        return rows.never_set(self.buffer, w.rows)
+
     def zero(self, w: Windows) -> None:
         """Set the priorities of the steps of windows ``w`` to 0 (those still held)."""
         ids = rows.ids_of_rows(self.buffer, w.rows)

@@ -43,6 +43,15 @@ def ids_of_rows(buffer, found_rows: np.ndarray) -> np.ndarray:
     return buffer._parts.ring.prio().ids(found_rows)
 
 
+def never_set(buffer, found_rows: np.ndarray) -> np.ndarray:
+    """Per window of ``found_rows`` (n, L): True if one of its steps was never given a
+    priority (in the claim its chunk has now)."""
+    if not found_rows.size:
+        return np.zeros(len(found_rows), bool)
+    _, explicit = buffer._parts.ring.prio().values(found_rows.reshape(-1))
+    return ~explicit.reshape(found_rows.shape).all(axis=1)
+
+
 def live_chunks(buffer):
     """The chunks holding committed rows now, with their seqs (``Ring.live_chunks``)."""
     return buffer._parts.ring.live_chunks()

@@ -117,16 +117,21 @@ class Recency(Selector):
         return f"Recency(<{len(self.uprobs)} ages>, seed={self.seed})"
 
 
+FRESH = 1e30   # a never-updated step's score under ``initial=inf``: above any real priority
+
+
 class Prioritized(Selector):
     """Items in proportion to ``maxfrac * max + (1 - maxfrac) * mean`` of their steps'
     ``priority ** exponent``, as upstream.
 
     Priorities come from ``Replay.update(data)`` in any process.  A step that
-    was never given one counts as ``initial``.
+    was never given one counts as ``initial``.  ``initial=inf`` (DreamerV3's
+    config) means new data first: while any item holds a step never given a
+    priority, every draw picks uniformly among those items.
 
     Args:
         exponent: a finite number >= 0 (default 1.0).
-        initial: a step's priority before any update, finite and > 0 (default 1.0).
+        initial: a step's priority before any update, > 0, or ``inf`` (default 1.0).
         zero_on_sample: set the priorities of a drawn item's steps to 0.
         maxfrac: the weight of the max, ``0 <= maxfrac <= 1`` (default 0.0).
         branching: accepted for upstream's signature (an int >= 2); the shared
@@ -144,9 +149,9 @@ class Prioritized(Selector):
                  branching=16, seed=0):
         self.seed = _seed("Prioritized", seed)
         self.exponent = _real("exponent", exponent, 0.0)
-        self.initial = _real("initial", initial, 0.0)
+        self.initial = _real("initial", initial, 0.0, math.inf, infinite=True)
         if not self.initial > 0:
-            raise ValueError(f"Prioritized: initial must be > 0, got {initial!r}")
+            raise ValueError(f"Prioritized: initial must be > 0 or inf, got {initial!r}")
         self.maxfrac = _real("maxfrac", maxfrac, 0.0, 1.0)
         if not isinstance(zero_on_sample, (bool, np.bool_)):
             raise TypeError(f"Prioritized: zero_on_sample must be True or False, got "
@@ -158,17 +163,41 @@ class Prioritized(Selector):
         self.branching = int(branching)
         # Stored priorities are priority ** exponent, scaled so that ``initial`` is 1.0,
         # the draw's value for a step never updated (``default=1.0``): the store's mean
-        # and max then make upstream's score.
-        self._unit = self.initial ** self.exponent
+        # and max then make upstream's score.  With ``initial=inf`` they are stored
+        # unscaled, and never-updated steps are drawn first (``_fresh_first``).
+        self._unit = 1.0 if math.isinf(self.initial) else self.initial ** self.exponent
 
     def pick(self, items, rng, n):
-        try:
-            w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac, default=1.0),
-                           rng, n)
-        except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
-            w = items.core(core.Uniform(), rng, n)
+        w = self._fresh_first(items, rng, n) if math.isinf(self.initial) else None
+        if w is None:
+            try:
+                w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac,
+                                                default=1.0), rng, n)
+            except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
+                w = items.core(core.Uniform(), rng, n)
         if self.zero_on_sample:   # as upstream, when the item is selected (in a Mixture too)
             items.zero(w)
+        return w
+
+    def _fresh_first(self, items, rng, n):
+        """``initial=inf``: ``n`` windows drawn uniformly among those holding a step never
+        given a priority, or None if there is none (then the finite scores decide).
+
+        Scored by their largest step with never-set steps at ``FRESH``, such a window
+        scores exactly ``FRESH`` whichever its other steps are, and any other window at
+        most the largest priority set: a draw is uniform over fresh windows, and picks
+        another only with odds below ``largest set / FRESH``.  A draw that found no fresh
+        window says there is none (up to those odds)."""
+        try:
+            w = items.core(core.Prioritized(exponent=1.0, maxfrac=1.0, default=FRESH), rng, n)
+        except NotEnoughDataError:
+            return None
+        fresh = items.fresh(w)
+        if not fresh.any():
+            return None
+        if not fresh.all():   # a window updated meanwhile, or the odds above: draw again
+            keep = np.flatnonzero(fresh)
+            w = w.take(keep[rng.integers(0, len(keep), n)])
         return w
 
     def stored(self, priority: np.ndarray) -> np.ndarray:
@@ -240,11 +269,14 @@ class Mixture(Selector):
         return f"Mixture({list(zip(self.fractions.tolist(), self.selectors))})"
 
 
-def _real(arg: str, value, lo: float, hi: float = math.inf) -> float:
+def _real(arg: str, value, lo: float, hi: float = math.inf, infinite: bool = False) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(
             value, (int, float, np.integer, np.floating)):
         raise TypeError(f"{arg} must be a real number, got {value!r}")
     value = float(value)
+    if infinite and value == math.inf:
+        return value
     if not (math.isfinite(value) and lo <= value <= hi):
-        raise ValueError(f"{arg} must be a finite number in [{lo}, {hi}], got {value!r}")
+        raise ValueError(f"{arg} must be a finite number in [{lo}, {hi}]"
+                         f"{' or inf' if infinite else ''}, got {value!r}")
     return value
