@@ -215,6 +215,18 @@ def write_until_error(state, wid: int, timeout_s: float):
     return None
 
 
+def write_while_stopped(state, wid: int, steps: int):
+    """Add ``steps`` steps and flush with writer ``wid`` of a stopped buffer: the error."""
+    w = state[wid]
+    try:
+        for s in range(steps):
+            w.add(wid=wid, step=10**6 + s, obs=np.zeros((3, 8, 8), np.uint8), done=False)
+        w.flush()
+    except Exception as exc:
+        return type(exc).__name__, isinstance(exc, shmbuf.WritersStoppedError), str(exc)
+    return None
+
+
 def close_writer(state, wid: int):
     state.pop(wid).close()
 
@@ -487,6 +499,33 @@ def test_each_shard_holds_the_rate_limit_on_its_own_steps(cluster):
         here.close()
     finally:
         rb.close()
+
+
+def test_stop_writers_reaches_both_kinds_of_writer_on_every_shard(cluster, rb):
+    _, _, agents = cluster
+    writers = (("n1", 31), ("n2", 32))      # n1 writes in shared memory, n2 ships
+    for node, wid in writers:
+        ray.get(agents[node].run.remote(write_episodes, rb, wid, 100), timeout=T)
+    before = sum(s.steps_written for s in rb.stats())
+    rb.stop_writers()
+    try:
+        for node, wid in writers:
+            got = ray.get(agents[node].run.remote(write_while_stopped, wid, 150), timeout=T)
+            assert got is not None and got[:2] == ("WritersStoppedError", True), got
+        assert sum(s.steps_written for s in rb.stats()) == before   # nothing went in
+        assert all(s.writers_stopped for s in rb.stats())
+    finally:
+        rb.resume_writers()
+    for node, wid in writers:       # the same writers go on, in their own mode
+        got = ray.get(agents[node].run.remote(write_episodes, rb, wid, 100), timeout=T)
+        assert got["mode"] == ("shm" if node == "n1" else "ship")
+    assert sum(s.steps_written for s in rb.stats()) == before + 200
+    assert not any(s.writers_stopped for s in rb.stats())
+    batch = rb.sample_sequences(64, 10)
+    assert (batch["step"] < 10**6).all(), "a refused step was written"
+    check_windows(batch, 10)
+    for node, wid in writers:
+        ray.get(agents[node].run.remote(close_writer, wid), timeout=T)
 
 
 def test_prefetch_yields_valid_batches_and_stops(cluster, rb):

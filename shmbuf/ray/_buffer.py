@@ -39,6 +39,7 @@ class ShardStats:
     episodes: int = 0
     capacity: int = 0
     writers: int = 0
+    writers_stopped: bool = False   # stop_writers() is in force on this shard
     remote_writers: int = 0
     ingest_steps_per_s: float = 0.0
     samples_per_s: float = 0.0
@@ -436,6 +437,39 @@ class ShardedBuffer:
         return gone
 
     # -- counters and lifecycle ---------------------------------------------------------
+    def stop_writers(self) -> None:
+        """``shmbuf.Buffer.stop_writers`` on every live shard, from any process.
+
+        Writers on a shard's node raise ``WritersStoppedError`` at their next
+        ``add``; a shipping writer raises it when it ships or flushes a block
+        the stopped shard refuses (the steps it staged before are refused with
+        that block).  Either writer may go on after ``resume_writers``.
+
+        Example:
+            >>> rb.stop_writers()     # every actor's add() raises WritersStoppedError
+        """
+        self._on_every_shard("stop_writers")
+
+    def resume_writers(self) -> None:
+        """Undo ``stop_writers`` on every live shard.
+
+        Example:
+            >>> rb.resume_writers()
+        """
+        self._on_every_shard("resume_writers")
+
+    def _on_every_shard(self, method: str) -> None:
+        self._check_open()
+        entries = self._live()
+        refs = [getattr(e.actor, method).remote() for e in entries]
+        for e, ref in zip(entries, refs):
+            try:
+                ray.get(ref, timeout=self._timeout)
+            except Exception as exc:
+                if not is_loss(exc):
+                    raise
+                self._lost(e, exc)
+
     def stats(self) -> list[ShardStats]:
         """One entry per shard, live or lost: node, live steps, rates, health."""
         self._check_open()

@@ -67,6 +67,7 @@ class Shard:
         self._rng = np.random.default_rng()
         self._inboxes: dict[str, _Inbox] = {}
         self._retired: dict[str, int] = {}     # key -> next seq of a writer gone idle
+        self._carried: dict[str, dict] = {}    # key -> its early blocks when a stop hit it
         self._lock = threading.Lock()
         self._received = {"blocks": 0, "steps": 0, "samples": 0, "sampled_windows": 0}
         self._last_rate = (time.monotonic(), 0, 0)
@@ -95,10 +96,18 @@ class Shard:
             if box is None:
                 box = self._inboxes[key] = _Inbox(self._buf.writer())
                 box.next_seq = self._retired.pop(key, 0)
+                box.early.update(self._carried.pop(key, {}))
             box.early[seq] = (columns, cuts)
             while box.next_seq in box.early:
                 cols, cs = box.early.pop(box.next_seq)
-                _write_block(box.writer, cols, cs)
+                try:
+                    _write_block(box.writer, cols, cs)
+                except shmbuf.WritersStoppedError:
+                    self._refuse(key, box)
+                    raise shmbuf.WritersStoppedError(
+                        f"the shard of {self._rb!r} on node {self._node}: writers are "
+                        "stopped (stop_writers); the steps of this writer's block from the "
+                        "first one the stop caught were refused") from None
                 box.next_seq += 1
                 rows = int(np.prod(next(iter(cols.values())).shape[:2]))
                 self._received["blocks"] += 1
@@ -120,6 +129,27 @@ class Shard:
                 box.writer.close()
                 self._retired[key] = max(box.early, default=box.next_seq - 1) + 1
                 del self._inboxes[key]
+
+    def _refuse(self, key: str, box: _Inbox) -> None:
+        """A stop caught remote writer ``key`` in block ``box.next_seq`` (held lock): seal
+        its streams, as for an idle writer, so that what it writes after
+        ``resume_writers`` opens new ones (no window spans the refused steps).  Blocks
+        that came early stay queued for its next call, which writes or refuses them."""
+        box.writer.close()
+        self._retired[key] = box.next_seq + 1
+        self._carried[key] = box.early
+        del self._inboxes[key]
+
+    def stop_writers(self) -> None:
+        """``Buffer.stop_writers`` of this shard's buffer (the default group: an ingest
+        waiting for the rate limit wakes and raises)."""
+        self._check_open()
+        self._buf.stop_writers()
+
+    def resume_writers(self) -> None:
+        """``Buffer.resume_writers`` of this shard's buffer."""
+        self._check_open()
+        self._buf.resume_writers()
 
     @ray.method(concurrency_group=INGEST)
     def release(self, key: str) -> None:
@@ -183,6 +213,7 @@ class Shard:
         return {"node_id": self._node, "buffer": self._buf.name, "capacity": s.capacity,
                 "live_steps": s.live_steps, "steps_written": s.steps_written,
                 "episodes": s.episodes, "writers": s.writers,
+                "writers_stopped": s.writers_stopped,
                 "remote_writers": len(self._inboxes), "ingest_steps_per_s": rate,
                 "samples_per_s": sample_rate,
                 "blocks_received": self._received["blocks"],

@@ -22,7 +22,7 @@ import uuid
 import numpy as np
 import ray
 
-from shmbuf import BufferClosedError
+from shmbuf import BufferClosedError, WritersStoppedError
 from shmbuf.ray._errors import ShardLostError, is_loss
 from shmbuf.writing.cast import coerce, scalar_fast_path
 
@@ -269,9 +269,30 @@ class ShippingWriter:
         try:
             ray.get(ref, timeout=self._timeout)
         except Exception as exc:
+            if isinstance(exc, WritersStoppedError):
+                raise self._stopped(exc) from None
             raise self._fail(exc) from None
         self._inflight.popleft()
         self._inflight_bytes -= nbytes
+
+    def _stopped(self, exc: BaseException) -> WritersStoppedError:
+        """The shard refused a block (``stop_writers``): the blocks in flight behind it and
+        the rows staged here went into the same stop.  Settle them all, so that this one
+        error is the stop's only one and the writer goes on cleanly after a resume."""
+        while self._inflight:
+            ref, nbytes = self._inflight.popleft()
+            self._inflight_bytes -= nbytes
+            try:
+                ray.get(ref, timeout=self._timeout)
+            except WritersStoppedError:
+                pass
+            except Exception as other:
+                raise self._fail(other) from None
+        for block in self._blocks.values():
+            block.fill, block.cuts = 0, []
+        # The shard's own error, not Ray's wrapper: ``except WritersStoppedError`` ends a
+        # worker loop as it does on a local writer.
+        return WritersStoppedError(str(getattr(exc, "cause", None) or exc))
 
     def _fail(self, exc: BaseException) -> BaseException:
         if not is_loss(exc):
