@@ -12,8 +12,8 @@ import pytest
 from helpers.atari import FRAME, play
 
 import shmbuf
-from shmbuf.posix.procs import start_time
-from shmbuf.protocol.packing import BUSY, PACKED, pack_word, stamp_of, unpack_word
+from shmbuf.posix.procs import stamp_of, start_time
+from shmbuf.protocol.packing import BUSY, PACKED, pack_word, unpack_word
 
 pytest.importorskip("zstandard")
 TIMEOUT = 60

@@ -33,3 +33,24 @@ def is_alive(pid: int, start: int) -> bool:
 
 def my_start_time() -> int:
     return start_time(os.getpid()) or 0
+
+
+STAMP_PID_SHIFT = 42
+STAMP_START_MASK = (1 << STAMP_PID_SHIFT) - 1
+PID_BITS_MASK = (1 << 22) - 1   # Linux pids are below 2**22 (pid_max's ceiling)
+
+
+def stamp_of(pid: int, start: int) -> int:
+    """One word naming a process: ``pid << 42 | start time`` (low 42 bits of the ticks)."""
+    return (pid & PID_BITS_MASK) << STAMP_PID_SHIFT | (start & STAMP_START_MASK)
+
+
+def my_stamp() -> int:
+    return stamp_of(os.getpid(), my_start_time())
+
+
+def stamp_alive(stamp: int) -> bool:
+    """True if the process a ``stamp_of`` word names runs (its pid, with that start)."""
+    pid = stamp >> STAMP_PID_SHIFT
+    actual = start_time(pid) if pid > 0 else None
+    return actual is not None and actual & STAMP_START_MASK == stamp & STAMP_START_MASK

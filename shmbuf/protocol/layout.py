@@ -183,7 +183,7 @@ SLOT_FIELDS = {"state": 0, "start_time": 8, "steps": 16, "streams": 24, "episode
 # 16 bits of that slot's lease.  next is successor chunk index + 1 (0: none).
 CHUNK_ENTRY = 64
 CHUNK_FIELDS = {"state": 0, "count": 8, "next": 16, "next_seq": 24, "stream": 32, "ticket": 40,
-                "starts": 48}
+                "starts": 48, "pin": 56}   # pin: 0, or a write_steps' stamp (protocol.pins)
 NO_SLOT = 0x7FFF
 SLOT_SHIFT = 16      # the owner slot's position in the state word
 SEALED = 1 << 31

@@ -47,7 +47,14 @@ import weakref
 import numpy as np
 
 from .._errors import SharedMemoryFullError
-from ..posix.procs import is_alive, my_start_time, start_time
+from ..posix.procs import (
+    STAMP_PID_SHIFT,
+    STAMP_START_MASK,
+    is_alive,
+    my_stamp,
+    my_start_time,
+    start_time,
+)
 from ..posix.space import PAGE
 from . import _atomic as atomic
 
@@ -73,15 +80,6 @@ def pack_word(seq: int, phase: int, mask: int, pid: int) -> int:
 def unpack_word(word: int) -> tuple[int, int, int, int]:
     """``(seq, phase, mask, pid)`` of a chunk word."""
     return word >> 32, (word >> 30) & 3, (word >> 22) & 0xFF, word & PID_MASK
-
-
-STAMP_PID_SHIFT = 42
-STAMP_START_MASK = (1 << STAMP_PID_SHIFT) - 1
-
-
-def stamp_of(pid: int, start: int) -> int:
-    """A chunk's stamp: the holder's pid and its start time (clock ticks since boot)."""
-    return (pid & PID_MASK) << STAMP_PID_SHIFT | (start & STAMP_START_MASK)
 
 
 def holder_alive(pid: int, stamp: int = 0) -> bool:
@@ -329,8 +327,7 @@ class PackWords:
 
     def mark(self, chunk: int) -> None:
         """Stamp ``chunk`` with this process: before a CAS that may name it, and after."""
-        atomic.store_release(self.mm, self.plan.stamps_offset + chunk * 8,
-                             stamp_of(os.getpid(), my_start_time()))
+        atomic.store_release(self.mm, self.plan.stamps_offset + chunk * 8, my_stamp())
 
     def take(self, chunk: int, expected: int, desired: int) -> bool:
         """CAS ``chunk``'s word; then a seq_cst fence, so the caller's next load of the

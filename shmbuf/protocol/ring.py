@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,6 +56,7 @@ from .layout import (
     pack_chunk_state,
     unpack_chunk_state,
 )
+from .pins import PIN_WAIT, Pins
 from .priorities import Priorities
 from .rate import RateWords
 from .streams import Slot
@@ -182,6 +184,8 @@ class Ring:
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
         self.priorities = Priorities(self) if layout.priorities else None
+        self.pins = Pins(mm, layout.chunks_offset)   # write_steps' pins (protocol.pins)
+        self._pin_seen = False   # claim_chunk: a chunk was skipped for its pin this lap
         # A compressing buffer's packing words and the reader of its packed rows, which
         # every copy goes through (set by its Buffer).
         self.packing: PackWords | None = None
@@ -376,11 +380,23 @@ class Ring:
                 nothing changed, and a later claim may succeed.
         """
         n = self.layout.n_chunks
-        for _ in range(2 * n + 2):
-            ticket = self._take("ticket", self._reserve_chunk)
-            seq = self.recycle(ticket % n, slot, lease, stream, ticket)
-            if seq is not None:
-                return ticket % n, seq
+        deadline = None
+        while True:
+            self._pin_seen = False
+            for _ in range(2 * n + 2):
+                ticket = self._take("ticket", self._reserve_chunk)
+                seq = self.recycle(ticket % n, slot, lease, stream, ticket)
+                if seq is not None:
+                    return ticket % n, seq
+            if not self._pin_seen:
+                break
+            # Some were pinned by write_steps, which holds a pin for one write: go round
+            # again shortly (a tiny ring can be pinned whole for that long).
+            now = time.monotonic()
+            deadline = deadline or now + PIN_WAIT
+            if now >= deadline:
+                break
+            time.sleep(1e-4)
         hint = ("create the buffer with a smaller chunk_size or a larger capacity"
                 if self.layout.chunk_size > 1 else "create the buffer with a larger capacity")
         raise NoFreeChunkError(
@@ -403,6 +419,13 @@ class Ring:
         odd = (seq + 1 + (seq & 1)) & _U32
         claimed = pack_chunk_state(odd, False, slot, lease)
         if not atomic.compare_exchange(self.mm, off, state, claimed):
+            return None
+        atomic.fence_seq_cst()   # the claim before the pin's load (protocol.pins)
+        if self.pins.held(chunk):
+            # A write_steps is writing into its held steps: leave the chunk to it, as one
+            # a live writer fills.  Nothing was written, so the undo is exact.
+            atomic.compare_exchange(self.mm, off, claimed, state)
+            self._pin_seen = True
             return None
         if self.packing is not None:
             # A packed chunk gets its raw pages back before anything is written; one a

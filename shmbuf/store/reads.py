@@ -276,11 +276,9 @@ class Reads(BufferState):
         This is how a learner stores what it computed for sampled steps beside
         them (DreamerV3's replay context: latents written back into the
         frames' steps).  An id whose step was evicted is skipped and never
-        names another step.  The held check is repeated after the write; the
-        one race left is a chunk recycled between the check and the write,
-        which can only be the oldest chunk of the buffer while a writer
-        recycles it: its new step may then keep the written value in these
-        columns.
+        names another step: the chunks of the held steps are pinned while
+        their rows are written, so no writer recycles them meanwhile (a writer
+        that reaches one takes the next chunk).
 
         Args:
             ids: int64 ids from ``sample_sequences(..., ids=True)["ids"]``, any
@@ -298,6 +296,8 @@ class Reads(BufferState):
             KeyError: a column the buffer does not have.
             TypeError: ids that are not int64; a lossy value.
             Nothing is written when any of these is raised.
+            TimeoutError: another process kept a chunk pinned for 10 s (a
+                ``write_steps`` of its own that never ended); nothing was written.
 
         Example:
             >>> batch = buf.sample_sequences(16, 64, ids=True, time_major=False)
@@ -331,13 +331,18 @@ class Reads(BufferState):
             shape, dtype = spec[name]
             values[name] = coerce(f"write_steps({name}=...)", value, dtype, ids.shape + shape)
         prio = self._ring.prio()
-        rows, held, chunk, state = prio.held_rows(ids)
-        if not held.any():
+        _, first, chunk, _ = prio.held_rows(ids)
+        if not first.any():
             return 0
-        for name, value in values.items():
-            flat = value.reshape((len(rows),) + spec[name][0])
-            self._views[name][rows[held]] = flat[held]
-        return int((held & prio.unchanged(chunk, state)).sum())
+        # Pinned, the chunks of the held steps cannot be recycled until the rows are
+        # written, so a written value never lands in a later step (protocol.pins).
+        with self._ring.pins.pinned(chunk[first]):
+            rows, held, _, _ = prio.held_rows(ids)   # again, after the pins
+            held &= first                             # on the pinned chunks only
+            for name, value in values.items():
+                flat = value.reshape((len(rows),) + spec[name][0])
+                self._views[name][rows[held]] = flat[held]
+        return int(held.sum())
 
     def priorities_of(self, ids) -> np.ndarray:
         """The priorities of the steps ``ids`` names now (NaN where an id is stale).
