@@ -28,6 +28,8 @@ import numpy as np
 
 from ..protocol.layout import EP_COLUMN, PRIORITY_COLUMN
 from ..protocol.ring import Ring
+from ..writing.compress import META_KEY
+from .blocks import SavedBlocks, keep_plan
 
 FORMAT = "shmbuf-steps-v1"
 
@@ -342,11 +344,17 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
     if ends.shape != (n,) or starts.ndim != 1 or len(starts) and (
             starts.min() < 0 or starts.max() >= n):
         raise ValueError("state: 'ends' or 'chunks' do not fit the rows")
+    saved: SavedBlocks | None = state.get("packed")   # a save's compressed blocks (load)
     if n > buf.capacity:
+        if saved is not None:
+            saved = saved.cut(n - buf.capacity, state["columns"])
         state, stream, ends, starts = newest_rows(state, stream, ends, starts, buf.capacity)
         n = len(stream)
+    kept: dict = {}
+    if saved is not None:
+        kept = _plan_packed(buf, ring, saved, starts, stream, state["columns"])
     ring.clear()
-    replay = _Replay(buf, state, ends)
+    replay = _Replay(buf, state, ends, saved, kept)
     try:
         for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
             replay.schedule(int(stream[a]), a, b)
@@ -355,6 +363,18 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
             _restore_priorities(ring, replay, stream, state)
     finally:
         replay.close()
+
+
+def _plan_packed(buf, ring: Ring, saved: SavedBlocks, starts: np.ndarray, stream: np.ndarray,
+                 columns: dict) -> dict:
+    """The saved chunks that go back compressed (``blocks.keep_plan``); the other blocks
+    are decoded into ``columns`` now."""
+    words = ring.packing
+    conf = buf.meta.get(META_KEY) if words is not None else None
+    if words is None or ring.unpacker is None or not isinstance(conf, dict):
+        return keep_plan(saved, None, "", 0, starts, stream, columns)
+    return keep_plan(saved, words.plan, ring.unpacker.codec.name, int(conf["hot_steps"]),
+                     starts, stream, columns)
 
 
 def newest_rows(state: dict[str, Any], stream: np.ndarray, ends: np.ndarray,
@@ -401,10 +421,15 @@ def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state
 class _Replay:
     """Writers for the checkpoint's streams, and the rows each may still write."""
 
-    def __init__(self, buf, state, ends: np.ndarray):
+    def __init__(self, buf, state, ends: np.ndarray, saved: SavedBlocks | None = None,
+                 kept: dict | None = None):
         self.buf = buf
         self.episode = np.asarray(state["episode"])
         self.columns = {k: np.asarray(v) for k, v in state["columns"].items()}
+        # Saved chunks put back compressed (by first row), and per stream the columns of
+        # the chunk it fills now that are held compressed there (never written).
+        self.saved, self.kept = saved, kept or {}
+        self.unwritten: dict[int, frozenset] = {}
         self.done = self.columns[buf.done_key] if buf.done_key else None
         self.ends = ends
         self.due = sorted(ends[ends >= 0].tolist())   # episode ends, in the order they ended
@@ -418,10 +443,36 @@ class _Replay:
         span = self.pending.get(sid)
         if span is not None and span[0] < span[1]:
             self._advance(sid, force=True)   # the stream's earlier rows come first
+        self.unwritten[sid] = self._put_packed(sid, a, b)
         self.pending[sid] = [a, b]
         self._write(sid, a)
         self.pending[sid][0] = a + 1
         self.drain(force=False)
+
+    def _put_packed(self, sid: int, a: int, b: int) -> frozenset:
+        """If rows ``[a, b)`` are a saved chunk kept compressed, claim its chunk and put
+        its blocks there: return the columns held compressed (their rows are never
+        written).  Where that fails, decode them into the rows: an empty set."""
+        kept = self.kept.pop(a, None)
+        if kept is None:
+            return frozenset()
+        assert self.saved is not None
+        ring = self.buf._parts.ring
+        w = self._writer_at(sid, a)
+        self.prev[sid] = -1   # the cut before row a is made: _write must not make it again
+        got = w._start_chunk(b - a, kept.exact, kept.names)
+        if got is not None:
+            words = ring.packing
+            data = kept.slot_bytes(self.saved, words.plan)
+            try:
+                if words.put_packed(got[0], got[1], kept.mask, data):
+                    return kept.names
+            except BaseException:
+                ring.reserve_rows(got[0], kept.names)   # the chunk is claimed: keep it sane
+                raise
+            ring.reserve_rows(got[0], kept.names)
+        self.saved.decode(kept.entries, self.columns)
+        return frozenset()
 
     def drain(self, force: bool) -> None:
         """Write what the episode order allows; with ``force``, everything."""
@@ -463,7 +514,8 @@ class _Replay:
     def _write_run(self, sid: int, a: int, b: int) -> None:
         """Rows ``[a, b)`` of one episode, none of them ending one in the index, at once."""
         w = self._writer_at(sid, a)
-        w.extend(**{k: v[a:b] for k, v in self.columns.items()})
+        w._extend({k: v[a:b] for k, v in self.columns.items()},
+                  self.unwritten.get(sid, frozenset()))
         self.prev[sid] = b - 1
 
     def _due(self) -> int:
@@ -483,7 +535,11 @@ class _Replay:
 
     def _write(self, sid: int, i: int) -> None:
         w = self._writer_at(sid, i)
-        w.add(**{k: v[i] for k, v in self.columns.items()})
+        unwritten = self.unwritten.get(sid)
+        if unwritten:
+            w._extend({k: v[i:i + 1] for k, v in self.columns.items()}, unwritten)
+        else:
+            w.add(**{k: v[i] for k, v in self.columns.items()})
         self.prev[sid] = i
         rank = int(self.ends[i])
         if rank >= 0:

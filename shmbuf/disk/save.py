@@ -14,9 +14,10 @@ A save is a directory that numpy alone can read:
   _priorities.npy (n,) float32, buffers with priorities only: the priority set for each
                   step, NaN where none was (the manifest's "max_priority" is the largest
                   ever set, null if none)
-  _packed.npy     (m, 5) int64, buffers created with ``compress=`` only: one entry per
+  _packed.npy     (m, 6) int64, buffers created with ``compress=`` only: one entry per
                   compressed block saved as it was in shared memory: (column's index in
-                  the spec, first row, rows, byte offset in _blocks.npy, bytes)
+                  the spec, first row, rows, byte offset in _blocks.npy, bytes, CRC-32
+                  of those bytes); saves made before the CRC have 5 fields
   _blocks.npy     (b,) uint8: those blocks, back to back
 
 A compressing buffer's chunks that are compressed in shared memory are saved
@@ -26,7 +27,9 @@ file system stores as nothing, and numpy reads as zeros).  Such a save says
 ``"version": 2`` and names the codec under ``"packed"``, so a shmbuf that
 reads only version 1 refuses it instead of loading zeros; a save with no
 compressed block (every save of a buffer without ``compress=``) is version 1,
-as before.  ``load`` decodes the blocks into the rows (``open_save``).
+as before.  ``load`` checks every block's CRC and puts the blocks back into
+the new buffer's chunks as they are, decoding only those it cannot keep
+(``disk.blocks``).
 
 ``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
 Why this format: it is columnar like the buffer, so saving is one write per
@@ -60,12 +63,14 @@ import shutil
 import struct
 import threading
 import time
+import zlib
 
 import numpy as np
 from numpy.typing import DTypeLike
 
 from .._errors import BufferClosedError, CorruptSaveError, SaveExistsError
 from ..protocol.layout import EP_COLUMN, normalize_spec
+from .blocks import SavedBlocks
 from .checkpoint import FORMAT as STATE_FORMAT
 from .checkpoint import StreamIds, copy_chunks
 
@@ -77,7 +82,7 @@ PRIORITIES = "_priorities"
 PACKED, BLOCKS = "_packed", "_blocks"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
-DECODE_THREADS = 4  # threads that decode a save's compressed blocks at load
+ENTRY_FIELDS = 6    # of a _packed.npy entry (5 in saves made before the CRC)
 INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
 
 
@@ -174,9 +179,10 @@ class _Writer:
         self.packed: _Column | None = None
         self.blocks: _Column | None = None
         self.n_packed = self.n_bytes = 0
-        self.staged: list[tuple[int, int, int, int, int]] = []
+        self.staged: list[tuple[int, ...]] = []
         if self.unpack is not None:
-            self.packed = _Column(os.path.join(self.path, PACKED + ".npy"), np.int64, (5,))
+            self.packed = _Column(os.path.join(self.path, PACKED + ".npy"), np.int64,
+                                  (ENTRY_FIELDS,))
             self.blocks = _Column(os.path.join(self.path, BLOCKS + ".npy"), np.uint8, ())
         self.col_index = {c.name: i for i, c in enumerate(lay.user_columns)}
         # Episode ends, so that loading ends every finished episode (a cut one too, at the
@@ -260,7 +266,7 @@ class _Writer:
                 blob = words.read_blob(chunk, off, length)
                 self.blocks.write(at, np.frombuffer(blob, np.uint8))
                 self.staged.append((self.col_index[col.name], self.rows + j * b,
-                                    min(b, count - j * b), at, len(blob)))
+                                    min(b, count - j * b), at, len(blob), zlib.crc32(blob)))
                 at += len(blob)
         return names
 
@@ -594,9 +600,10 @@ def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int,
 
 
 def _packed_entries(path, manifest: dict) -> np.ndarray:
-    """The checked ``(m, 5)`` entries of a version 2 save's compressed blocks (else none)."""
+    """The checked ``(m, 6)`` (or, saved before the CRC, ``(m, 5)``) entries of a version 2
+    save's compressed blocks (else none)."""
     if manifest["version"] != PACKED_VERSION:
-        return np.empty((0, 5), np.int64)
+        return np.empty((0, ENTRY_FIELDS), np.int64)
     info = manifest.get("packed")
     ok = isinstance(info, dict) and all(
         isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] >= 0
@@ -608,7 +615,8 @@ def _packed_entries(path, manifest: dict) -> np.ndarray:
     if info["codec"] not in CODECS:
         raise _bad(path, f"its blocks use codec {info['codec']!r}, which this shmbuf does not "
                          f"know (it knows {sorted(CODECS)})")
-    table = _open_column(path, PACKED, np.dtype(np.int64), (5,), info["blocks"])
+    width = _entry_width(path)
+    table = _open_column(path, PACKED, np.dtype(np.int64), (width,), info["blocks"])
     col, first, n, off, length = (table[:, i] for i in range(5))
     if len(table) and ((col < 0).any() or (col >= len(manifest["spec"])).any()
                        or (first < 0).any() or (n <= 0).any()
@@ -619,40 +627,17 @@ def _packed_entries(path, manifest: dict) -> np.ndarray:
     return np.asarray(table)
 
 
-def _decode_blocks(path, manifest: dict, packed: np.ndarray, columns: dict) -> None:
-    """Decode each saved block into its rows of ``columns`` (copy-on-write mappings)."""
-    from ..sampling.codec import Codec
-
-    info = manifest["packed"]
-    codec = Codec(info["codec"], 1)   # the level only matters to encoding
-    blocks = _open_column(path, BLOCKS, np.dtype(np.uint8), (), info["bytes"])
-    names = list(manifest["spec"])
-    entries = packed.tolist()
-
-    def run(part: range) -> None:   # blocks write disjoint rows: threads share nothing else
-        for e in part:
-            col, first, n, off, length = entries[e]
-            out = columns[names[col]]
-            want = n * out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
-            try:
-                raw = codec.decode(blocks[off:off + length].tobytes(), want)
-            except ValueError:
-                raw = b""
-            if len(raw) != want:
-                raise _bad(path, f"the compressed block of column {names[col]!r} at rows "
-                                 f"{first}..{first + n - 1} does not decode to those rows "
-                                 f"({BLOCKS}.npy is damaged)")
-            out[first:first + n] = np.frombuffer(raw, out.dtype).reshape((n,) + out.shape[1:])
-
-    # The codec and numpy's copies release the GIL: decode on a few threads.
-    threads = max(1, min(DECODE_THREADS, os.cpu_count() or 1, len(entries) // 16))
-    if threads == 1:
-        run(range(len(entries)))
-        return
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(threads, thread_name_prefix="shmbuf-load") as pool:
-        for f in [pool.submit(run, range(i, len(entries), threads)) for i in range(threads)]:
-            f.result()
+def _entry_width(path) -> int:
+    """The fields of an entry of ``_packed.npy``: 6, or 5 in a save made before the CRC."""
+    try:
+        with open(os.path.join(os.fspath(path), PACKED + ".npy"), "rb") as f:
+            version = np.lib.format.read_magic(f)
+            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                      else np.lib.format.read_array_header_2_0)
+            shape = header(f)[0]
+    except (OSError, ValueError, SyntaxError, TypeError):
+        return ENTRY_FIELDS   # _open_column says what is wrong with it
+    return 5 if tuple(shape[1:]) == (5,) else ENTRY_FIELDS
 
 
 def open_save(path) -> tuple[dict, dict]:
@@ -662,12 +647,18 @@ def open_save(path) -> tuple[dict, dict]:
     packed = _packed_entries(path, manifest)
     names = list(manifest["spec"])
     unpacked = {names[i] for i in np.unique(packed[:, 0]).tolist()}
-    # A column with compressed blocks is mapped copy-on-write: decoding writes only the
-    # rows it fills (in private memory), and the file stays as it is.
+    # A column with compressed blocks is mapped copy-on-write: the blocks that are decoded
+    # (not kept compressed) write only the rows they fill (in private memory), and the
+    # file stays as it is.
     columns = {k: _open_column(path, k, dt, shape, rows, "c" if k in unpacked else "r")
                for k, (shape, dt) in manifest["spec"].items()}
+    saved = None
     if len(packed):
-        _decode_blocks(path, manifest, packed, columns)
+        info = manifest["packed"]
+        saved = SavedBlocks(path, info["codec"], info["block_rows"], packed,
+                            _open_column(path, BLOCKS, np.dtype(np.uint8), (), info["bytes"]),
+                            names)
+        saved.check(columns)   # before anything is created: a damaged save creates nothing
     i8 = np.dtype(np.int64)
     stream = _open_column(path, STREAM, i8, (), rows)
     episode = _open_column(path, EPISODE, i8, (), rows)
@@ -681,6 +672,8 @@ def open_save(path) -> tuple[dict, dict]:
                             for k, (shape, dt) in manifest["spec"].items()},
                    "columns": columns, "stream": stream, "episode": episode, "ends": ends,
                    "chunks": chunks}
+    if saved is not None:
+        state["packed"] = saved   # restore puts them back compressed (or decodes them)
     if manifest.get("priorities") is True:
         state["priorities"] = _open_column(path, PRIORITIES, np.dtype(np.float32), (), rows)
         top = manifest.get("max_priority")

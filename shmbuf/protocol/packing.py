@@ -370,6 +370,44 @@ class PackWords:
                 "was written and the buffer keeps what it holds; free space or give the machine "
                 "more shared memory (docker run --shm-size=...)") from None
 
+    # -- a load (restore of a save's compressed blocks) --------------------------------
+    def put_packed(self, chunk: int, seq: int, mask: int, data: bytes) -> bool:
+        """Make ``data`` (a slot's bytes: directory, then blocks, as a compressor writes
+        them) ``chunk``'s packed columns ``mask`` at ``seq``; False if its word is not
+        free (the caller then writes those rows raw).
+
+        The caller has just claimed the chunk (seq ``seq``, unsealed, none of its rows
+        published) and will never write the rows of ``mask``'s columns: the word is
+        ``PACKED`` before the first row is published (the count's store-release comes
+        after this CAS), so no reader ever reads those rows raw, and their pages stay
+        holes (a recycle had reserved them again: they are given back here).  A
+        compressor takes only sealed chunks; one that won the free word before the claim
+        showed undoes it at once, so this waits for that briefly.
+
+        Raises:
+            SharedMemoryFullError: /dev/shm cannot hold the blob; nothing was published.
+        """
+        off, written = self._off(chunk), False
+        for _ in range(100_000):
+            word = atomic.load_acquire(self.mm, off)
+            if word == 0:
+                if not written:
+                    self.write_slot(chunk, data)
+                    written = True
+                if atomic.compare_exchange(self.mm, off, 0, pack_word(seq, PACKED, mask, 0)):
+                    atomic.fence_seq_cst()
+                    self.punch_raw(chunk, mask)   # nothing was written there, nor read raw
+                    return True
+                continue
+            _, phase, _, pid = unpack_word(word)
+            if phase != BUSY or not holder_alive(pid):
+                break
+            os.sched_yield()   # a compressor that saw the chunk sealed before: it backs off
+        if written:
+            start = self.plan.slot(chunk)
+            punch(self.fd, start, start + self.plan.slot_bytes)
+        return False
+
     # -- the recycler (Ring.recycle, after its state CAS) -------------------------------
     def on_recycle(self, chunk: int) -> bool:
         """Make ``chunk`` raw again for a writer that has just claimed it (seq odd,

@@ -207,9 +207,10 @@ class Ring:
                 return value
             value = atomic.load_acquire(self.mm, off)
 
-    def _reserve_chunk(self, ticket: int) -> None:
+    def _reserve_chunk(self, ticket: int, unreserved: frozenset = frozenset()) -> None:
         """Before ``ticket``'s claim: a chunk of the first lap gets its entry and rows
-        reserved, and the episode index room for one episode end per row."""
+        reserved (but for the columns ``unreserved``: see ``claim_chunk``), and the
+        episode index room for one episode end per row."""
         lay, chunk, space = self.layout, ticket, self.space
         assert space is not None  # _take prepares only with a space
         rows = int(self.chunk_rows[chunk % lay.n_chunks])
@@ -219,8 +220,28 @@ class Ring:
                     " bytes over all columns)")
             space.reserve(lay.chunk_field(chunk, "state"), CHUNK_ENTRY, what)
             for col in lay.columns:
-                space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
+                if col.name not in unreserved:
+                    space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
         self._reserve_episodes(self.counter("episode_ticket") + rows)
+
+    def reserve_rows(self, chunk: int, names) -> None:
+        """Reserve ``chunk``'s rows of the columns ``names`` (a claim that left them
+        unreserved, whose claimant now writes them after all).
+
+        Raises:
+            SharedMemoryFullError: /dev/shm cannot hold them.
+        """
+        if self.space is None:
+            return
+        first, rows = int(self.chunk_base[chunk]), int(self.chunk_rows[chunk])
+        for name in names:
+            col = self.layout.column(name)
+            self.space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes,
+                               f"chunk {chunk}'s rows of {name!r}")
+
+    def next_claim(self) -> int:
+        """The chunk the next claim will most likely get (the next ticket's), as of now."""
+        return self.counter("ticket") % self.layout.n_chunks
 
     def _reserve_episodes(self, upto: int) -> None:
         """Reserve episode-index entries below ``upto`` (whole granules), unless known done."""
@@ -369,11 +390,17 @@ class Ring:
         return is_alive(pid, start)
 
     # -- chunks -------------------------------------------------------------------
-    def claim_chunk(self, slot: int, lease: int, stream: int) -> tuple[int, int]:
+    def claim_chunk(self, slot: int, lease: int, stream: int,
+                    unreserved: frozenset = frozenset()) -> tuple[int, int]:
         """Recycle the oldest chunk no live writer is filling; return (chunk, seq).
 
         Round-robin tickets make the chunk claimed longest ago the next one
-        recycled: FIFO eviction across all writers.
+        recycled: FIFO eviction across all writers.  ``unreserved``: columns
+        whose rows of the chunk the claimant will not write (a load puts
+        them in compressed, ``PackWords.put_packed``), so their pages are
+        not reserved on the first lap; no reader touches them (their rows
+        are read packed, or ``reserve_rows`` reserves them before they are
+        written after all).
 
         Raises:
             SharedMemoryFullError: /dev/shm cannot hold the chunk's pages;
@@ -381,10 +408,12 @@ class Ring:
         """
         n = self.layout.n_chunks
         deadline = None
+        take = (lambda t: self._reserve_chunk(t, unreserved)) if unreserved \
+            else self._reserve_chunk
         while True:
             self._pin_seen = False
             for _ in range(2 * n + 2):
-                ticket = self._take("ticket", self._reserve_chunk)
+                ticket = self._take("ticket", take)
                 seq = self.recycle(ticket % n, slot, lease, stream, ticket)
                 if seq is not None:
                     return ticket % n, seq

@@ -96,10 +96,15 @@ class Streams:
     def __len__(self) -> int:
         return len(self.id)
 
-    def advance(self, i: int) -> None:
-        """Give stream ``i`` a fresh chunk, linked after its current one."""
+    def advance(self, i: int, unwritten: frozenset = frozenset()) -> None:
+        """Give stream ``i`` a fresh chunk, linked after its current one.
+
+        ``unwritten``: columns whose rows of the new chunk will not be written
+        (a load puts them in compressed): their pages are neither reserved
+        (``Ring.claim_chunk``) nor mapped here.
+        """
         ring, slot = self.ring, self.slot
-        chunk, seq = ring.claim_chunk(slot.slot, slot.lease, int(self.id[i]))
+        chunk, seq = ring.claim_chunk(slot.slot, slot.lease, int(self.id[i]), unwritten)
         old = int(self.chunk[i])
         if old >= 0:
             ring.link(old, chunk, seq, int(self.seq[i]))
@@ -110,7 +115,7 @@ class Streams:
         self.rows[i] = ring.chunk_rows[chunk]
         self.count_off[i] = ring.count_off[chunk]
         self.starts[i] = ring.starts_reset
-        if self._on_claim is not None:
+        if self._on_claim is not None and not unwritten:   # mapping would take their pages
             self._on_claim(chunk)
         if self.ep_next_chunk[i]:
             self.ep_at[i] = chunk, seq, 0

@@ -100,10 +100,15 @@ class Writer:
             raise KeyError(f"{verb}: missing columns {missing}, unknown columns {unknown}; "
                            f"the buffer's columns are {sorted(self._names)}")
 
-    def _coerce_all(self, columns: dict, lead: tuple, verb: str) -> list:
-        """The values in column order, cast losslessly; the names are already checked."""
-        out = []
+    def _coerce_all(self, columns: dict, lead: tuple, verb: str,
+                    skip: frozenset = frozenset()) -> list:
+        """The values in column order, cast losslessly (None for the columns ``skip``);
+        the names are already checked."""
+        out: list = []
         for name, _, dtype, shape in self._cols:
+            if name in skip:
+                out.append(None)
+                continue
             v = columns[name]
             if ((type(v) is np.ndarray or isinstance(v, np.generic)) and v.dtype == dtype
                     and v.shape == lead + shape):
@@ -271,10 +276,16 @@ class Writer:
         Example:
             >>> w.extend(obs=frames, action=acts, reward=rews, done=dones)  # (T, ...) each
         """
+        self._extend(columns)
+
+    def _extend(self, columns: dict, unwritten: frozenset = frozenset()) -> None:
+        """``extend``, leaving the rows of the columns ``unwritten`` as they are (a load
+        whose chunk holds them compressed already: ``_start_chunk``); their values are
+        neither read nor checked beyond their shape."""
         self._check()
         self._check_names(columns, "extend")
         n = self._run_length(columns)
-        values = self._coerce_all(columns, (n,), "extend")
+        values = self._coerce_all(columns, (n,), "extend", unwritten)
         if self._float_done:
             check_flags(f"extend({self._done}=...)", values[self._done_index],
                         self._done_dtype,
@@ -299,6 +310,8 @@ class Writer:
                                             f"the rest (rows {at}: of each column)") from None
             k = min(room, n - at)
             for (_, view, dtype, _), v in zip(self._cols, values):
+                if v is None:
+                    continue   # unwritten: held compressed
                 part = v[at:at + k]
                 if type(part) is np.ndarray and part.dtype == dtype and part.flags.c_contiguous:
                     copy_rows(view[row:row + k], part)   # the same bytes, streamed
@@ -309,6 +322,31 @@ class Writer:
             s.publish_run(0, k, here)
             self._steps += k
             at += k
+
+    def _start_chunk(self, rows: int, exact: bool, unwritten: frozenset) -> tuple[int, int] | None:
+        """Internal (load): claim the chunk this writer's stream fills next, for ``rows``
+        steps whose columns ``unwritten`` are put in compressed, so their pages are
+        neither reserved nor mapped.  Returns ``(chunk, seq)``: the chunk's first row is
+        the next step's, and it holds the ``rows`` steps (exactly ``rows``, if ``exact``,
+        so that the stream's later steps go to another chunk).  None, claiming nothing,
+        if the stream is inside a chunk or the next chunk does not fit; None too if a
+        claim elsewhere took that chunk first, after reserving the pages after all (the
+        caller writes every column then).
+        """
+        self._check()
+        s = self._solo_streams()
+        ring = self._ring
+        if s.fill[0] != s.rows[0]:
+            return None      # inside a chunk: its first row is not the next step's
+        fits = (lambda have: have == rows) if exact else (lambda have: have >= rows)
+        if not fits(int(ring.chunk_rows[ring.next_claim()])):
+            return None
+        s.advance(0, unwritten)
+        chunk = int(s.chunk[0])
+        if not fits(int(s.rows[0])):
+            ring.reserve_rows(chunk, unwritten)
+            return None
+        return chunk, int(s.seq[0])
 
     def _run_length(self, columns: dict) -> int:
         """The run length ``T`` every column of an ``extend`` agrees on; raises if none."""
