@@ -31,7 +31,9 @@ Rows:
        insert rate of c7a's writers (>= 1: it keeps up); c7rb the same against c7b's.
   c8   Buffer.save of a compressing buffer after compact() (its compressed blocks written as
        they are) / the same steps in an uncompressed buffer, interleaved rounds: c8 the time,
-       c8d the bytes on disk (allocated blocks), c8l shmbuf.load of each save.
+       c8d the bytes on disk (allocated blocks), c8l shmbuf.load of each save (the
+       compressed blocks go back as they are), c8m the bytes of /dev/shm the loaded buffer
+       holds right after load (its reserved_bytes).
 
 ``--only c8`` (keys separated by commas: c1, c2, c3, c4, c7, c8) runs those sections alone.
 """
@@ -437,6 +439,7 @@ def c8_save(path: str, capacity: int, reps: int) -> list[Row]:
         took: list[list[float]] = [[], []]
         size: list[list[int]] = [[], []]
         loads: list[list[float]] = [[], []]
+        held: list[list[int]] = [[], []]
         for r in range(reps):
             for i in ((0, 1) if r % 2 == 0 else (1, 0)):   # interleaved, order alternating
                 out = os.path.join(root, f"{i}-{r}")
@@ -445,8 +448,10 @@ def c8_save(path: str, capacity: int, reps: int) -> list[Row]:
                 took[i].append(time.perf_counter() - t0)
                 size[i].append(_disk_bytes(out))
                 t0 = time.perf_counter()
-                shmbuf.load(out).close()
+                loaded = shmbuf.load(out)
                 loads[i].append(time.perf_counter() - t0)
+                held[i].append(loaded.stats().reserved_bytes)
+                loaded.close()
                 shutil.rmtree(out)
         c = bufs[1].stats().compression
     finally:
@@ -459,8 +464,10 @@ def c8_save(path: str, capacity: int, reps: int) -> list[Row]:
                 "save of an uncompressed buffer", ("ratio", "<=", 1.0), extra=extra),
             Row("c8d", "the save's bytes on disk, compressed", "B", size[1], size[0],
                 "save of an uncompressed buffer", ("ratio", "<=", 0.5)),
-            Row("c8l", "shmbuf.load of the save, compressed (decodes)", "s", loads[1], loads[0],
-                "load of the uncompressed save")]
+            Row("c8l", "shmbuf.load of the save, compressed", "s", loads[1],
+                loads[0], "load of the uncompressed save"),
+            Row("c8m", "/dev/shm held after load, compressed", "B", held[1],
+                held[0], "the loaded uncompressed save")]
 
 
 def main() -> None:

@@ -18,33 +18,14 @@ import pytest
 import shmbuf
 
 pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
+from helpers.atari import FRAME
+from helpers.atari import play as _play
+
 from shmbuf import Compress
 from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
 
 SHM = "/dev/shm"
 TIMEOUT = 60
-FRAME = (3, 64, 64)
-
-
-def _play(game: str, steps: int, seed: int) -> np.ndarray:
-    ale_py = pytest.importorskip("ale_py")
-    import gymnasium as gym
-    from PIL import Image
-
-    gym.register_envs(ale_py)
-    env = gym.make(f"ALE/{game}-v5", obs_type="rgb")
-    rng = np.random.default_rng(seed)
-    out = np.empty((steps, *FRAME), np.uint8)
-    obs, _ = env.reset(seed=seed)
-    try:
-        for i in range(steps):
-            out[i] = np.asarray(Image.fromarray(obs).resize((64, 64), Image.BOX)).transpose(2, 0, 1)
-            obs, _, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
-            if term or trunc:
-                obs, _ = env.reset()
-    finally:
-        env.close()
-    return out
 
 
 @pytest.fixture(scope="module")

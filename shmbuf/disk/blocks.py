@@ -78,9 +78,10 @@ class SavedBlocks:
         col, first, n = (int(x) for x in self.entries[e, :3])
         return f"column {self.names[col]!r} at rows {first}..{first + n - 1}"
 
-    def block(self, e: int) -> np.ndarray:
+    def block(self, e: int) -> memoryview:
+        """The bytes of entry ``e``'s block (a view of the mapped file)."""
         off, length = int(self.entries[e, OFFSET]), int(self.entries[e, LENGTH])
-        return self.blocks[off:off + length]
+        return memoryview(self.blocks[off:off + length])  # type: ignore[arg-type]  # a buffer (typed so from 3.12)
 
     # -- checking ----------------------------------------------------------------------
     def check(self, columns: dict) -> None:

@@ -58,7 +58,7 @@ class Checkpoints(BufferState):
         numpy alone) is described in ``shmbuf.disk.save``; ``shmbuf.load``
         rebuilds a buffer from it.  Chunks that are compressed in shared
         memory (``create(..., compress=...)``) are saved as their compressed
-        blocks, undecoded, and ``load`` decodes them.
+        blocks, undecoded, and ``load`` puts them back compressed.
 
         Args:
             path: a directory to create.

@@ -1,0 +1,257 @@
+"""Loading a compressing buffer's save: its compressed blocks go back as they are.
+
+Real Atari frames (Breakout, MsPacman: ``helpers.atari``), stored as ``obs = frames[idx]``
+with ``idx``, so every read is checked against the ground truth; the same steps saved
+from a raw buffer and loaded with the same seed give the reference for every read path.
+/dev/shm is measured with statvfs, not only through ``stats()``.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import shmbuf
+
+pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
+from helpers.atari import FRAME, play
+
+from shmbuf import Compress
+from shmbuf.posix.wait import poll
+from shmbuf.select import Recency, Uniform
+
+SHM = "/dev/shm"
+TIMEOUT = 60
+RAW_ROWS = 1024 * 3 * 64 * 64   # the obs bytes of a full 1024-step buffer, raw
+
+
+@pytest.fixture(scope="module")
+def frames():
+    """1,000 real frames: 500 of Breakout, then 500 of MsPacman."""
+    return np.concatenate([play("Breakout", 500, 3), play("MsPacman", 500, 4)])
+
+
+def spec():
+    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
+
+
+def fill(buf, frames, steps, start=0, episode=37):
+    with buf.writer() as w:
+        for j in range(start, start + steps):
+            i = j % len(frames)
+            w.add(obs=frames[i], idx=i, done=j % episode == episode - 1)
+
+
+def check(frames, batch):
+    assert np.array_equal(batch["obs"], frames[batch["idx"]])
+
+
+def shm_used() -> int:
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+@pytest.fixture(scope="module")
+def saves(frames, tmp_path_factory):
+    """The same steps (two streams, wrapped, episodes ended and cut) saved from a raw buffer
+    and from a compacted compressing one: ``(raw save, compressed save, its compression)``."""
+    root = tmp_path_factory.mktemp("saves")
+    made = []
+    try:
+        for comp in (None, Compress("obs", hot_steps=64)):
+            b = shmbuf.create(spec(), 1024, chunk_size=16, seed=11, compress=comp,
+                              priorities=True)
+            made.append(b)
+            fill(b, frames, 700)
+            with b.writer() as w:    # a second stream, cut without a terminal at its end
+                for j in range(500):
+                    w.add(obs=frames[(j * 7) % len(frames)], idx=(j * 7) % len(frames),
+                          done=j % 29 == 28)
+                w.end_episode()
+        made[1].compact(timeout=TIMEOUT)
+        for i, b in enumerate(made):
+            b.save(root / str(i))
+        yield root / "0", root / "1", made[1].stats().compression
+    finally:
+        for b in made:
+            b.close()
+
+
+def test_load_puts_the_compressed_chunks_back_compressed(saves, frames):
+    raw_dir, packed_dir, source = saves
+    assert json.loads((packed_dir / "manifest.json").read_text())["version"] == 2
+    with shmbuf.load(raw_dir, seed=1) as raw:
+        raw_reserved = raw.stats().reserved_bytes
+    assert raw_reserved > RAW_ROWS
+    seen = []
+    for _ in range(3):   # other processes share /dev/shm: one quiet try is enough
+        base = shm_used()
+        with shmbuf.load(packed_dir, seed=1) as buf:
+            seen.append(shm_used() - base)
+            st = buf.stats()
+            c = st.compression
+            assert c.compressed_chunks == source.compressed_chunks > 50
+            assert (c.raw_bytes, c.stored_bytes) == (source.raw_bytes, source.stored_bytes)
+            assert c.cold_raw_chunks == 0
+            # /dev/shm holds about the compressed bytes: the raw pages were never taken
+            assert st.reserved_bytes == os.fstat(buf._space.fd).st_blocks * 512
+            assert st.reserved_bytes < raw_reserved / 5
+            check(frames, buf.sample_sequences(32, 16))
+        if min(seen) < RAW_ROWS / 4:
+            break
+    assert min(seen) < RAW_ROWS / 4, seen   # statvfs, not only stats()
+
+
+@pytest.mark.slow
+def test_every_read_of_the_loaded_buffer_is_bit_identical(saves, frames, tmp_path):
+    raw_dir, packed_dir, _ = saves
+    a, b = shmbuf.load(raw_dir, seed=5), shmbuf.load(packed_dir, seed=5)
+    try:
+        b._packer.stop()   # the loaded chunks, as load left them
+        assert b.stats().compression.compressed_chunks > 50
+        for kw in ({"select": Uniform()}, {"select": Recency(0.7)}, {"uniform": "episodes"}):
+            for time_major in (True, False):
+                x = a.sample_sequences(24, 20, rng=7, time_major=time_major, **kw)
+                y = b.sample_sequences(24, 20, rng=7, time_major=time_major, **kw)
+                check(frames, y)
+                assert all(np.array_equal(x[k], y[k]) for k in x)
+        x, y = a.sample_steps(64, rng=4), b.sample_steps(64, rng=4)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        ea, eb = a.episodes(), b.episodes()
+        assert np.array_equal(ea.length, eb.length) and np.array_equal(ea.index, eb.index)
+        xs, ys = list(a.iter_episodes(include_open=True)), list(b.iter_episodes(include_open=True))
+        assert len(xs) == len(ys) > 20
+        for x, y in zip(xs, ys):
+            check(frames, y)
+            assert all(np.array_equal(x[k], y[k]) for k in x)
+        n = int(ea.index[-1])
+        x, y = a.read_episode(n), b.read_episode(n)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        sa, sb = a.snapshot(), b.snapshot()
+        for k in ("stream", "episode", "ends", "chunks"):
+            assert np.array_equal(sa[k], sb[k]), k
+        assert all(np.array_equal(sa["columns"][k], sb["columns"][k]) for k in sa["columns"])
+        check(frames, sb["columns"])
+        da, db = a.state_dict(), b.state_dict()
+        assert all(np.array_equal(da["columns"][k].numpy(), db["columns"][k].numpy())
+                   for k in da["columns"])
+        # a second save writes the same blocks again, and loads back to the same steps
+        b.save(tmp_path / "again")
+        first = np.load(packed_dir / "_packed.npy")
+        again = np.load(tmp_path / "again" / "_packed.npy")
+        assert np.array_equal(first, again)
+        assert np.array_equal(np.load(packed_dir / "_blocks.npy"),
+                              np.load(tmp_path / "again" / "_blocks.npy"))
+        with shmbuf.load(tmp_path / "again", seed=5) as c:
+            kept = b.stats().compression.compressed_chunks
+            assert c.stats().compression.compressed_chunks == kept
+            sc = c.snapshot()
+            assert all(np.array_equal(sa["columns"][k], sc["columns"][k]) for k in sa["columns"])
+    finally:
+        a.close()
+        b.close()
+
+
+def test_writers_wrap_into_loaded_chunks_and_compaction_goes_on(saves, frames):
+    _, packed_dir, _ = saves
+    with shmbuf.load(packed_dir, seed=2) as buf:
+        buf._packer.stop()          # nothing packs the new rows: the pages they need come back
+        small = buf.stats().reserved_bytes
+        packed = buf.stats().compression.compressed_chunks
+        fill(buf, frames, 300, start=5000)     # recycles the oldest loaded chunks
+        st = buf.stats()
+        assert st.compression.compressed_chunks < packed
+        assert st.reserved_bytes > small + 250 * 3 * 64 * 64
+        snap = buf.snapshot()["columns"]
+        check(frames, snap)
+        assert np.array_equal(snap["idx"][-300:], np.arange(5000, 5300) % len(frames))
+        for _ in range(5):
+            check(frames, buf.sample_sequences(32, 16))
+        fill(buf, frames, 900, start=6000)     # every loaded chunk recycled
+        assert buf.stats().compression.compressed_chunks == 0
+        n = buf.compact(timeout=TIMEOUT)
+        c = buf.stats().compression
+        assert n > 50 and c.compressed_chunks == n and c.cold_raw_chunks == 0
+        check(frames, buf.snapshot()["columns"])
+        check(frames, buf.sample_sequences(32, 16))
+
+
+def test_the_compressor_goes_on_in_the_loaded_buffer(saves, frames):
+    _, packed_dir, _ = saves
+    with shmbuf.load(packed_dir, seed=2) as buf:
+        before = buf.stats().compression.compressed_chunks
+        fill(buf, frames, 128, start=9000)     # the loaded hot chunks turn cold
+
+        def caught_up():
+            c = buf.stats().compression
+            return True if c.cold_raw_chunks == 0 and c.compressed_chunks >= before else None
+        poll(caught_up, TIMEOUT, lambda: TimeoutError("the loaded buffer's thread never packed"))
+        assert buf._packer.last_error is None
+        check(frames, buf.snapshot()["columns"])
+
+
+@pytest.mark.parametrize("capacity", [2048, 1030])
+def test_blocks_that_cannot_be_kept_are_decoded(saves, frames, capacity):
+    """Another chunk size (2048: 32-step chunks) decodes every block; a capacity below the
+    save's rows (1030) cuts a chunk and decodes that one.  Either way every step is true."""
+    raw_dir, packed_dir, source = saves
+    with shmbuf.load(raw_dir, capacity=capacity, seed=4) as a, \
+            shmbuf.load(packed_dir, capacity=capacity, seed=4) as b:
+        b._packer.stop()
+        c = b.stats().compression
+        if capacity == 2048:
+            assert b.chunk_size == 32 and c.compressed_chunks == 0
+        else:
+            assert b.chunk_size == 16 and 0 < c.compressed_chunks < source.compressed_chunks
+        sa, sb = a.snapshot(), b.snapshot()
+        assert all(np.array_equal(sa["columns"][k], sb["columns"][k]) for k in sa["columns"])
+        check(frames, sb["columns"])
+        x, y = a.sample_sequences(16, 20, rng=3), b.sample_sequences(16, 20, rng=3)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+
+
+def test_a_ring_with_a_short_last_chunk_loads_true(make_buffer, frames, tmp_path):
+    """A capacity that is not a multiple of the chunk size: the source's short chunk lands
+    in a full one of the loaded buffer, so it and the later chunks of its stream are
+    decoded, and the loaded steps are still the saved ones."""
+    src = make_buffer(spec(), 1000, chunk_size=16, seed=3, compress=Compress("obs", hot_steps=64))
+    fill(src, frames, 1500)
+    src.compact(timeout=TIMEOUT)
+    src.save(tmp_path / "s")
+    with shmbuf.load(tmp_path / "s", seed=3) as back:
+        back._packer.stop()
+        assert 0 < back.stats().compression.compressed_chunks
+        want, got = src.snapshot()["columns"], back.snapshot()["columns"]
+        assert all(np.array_equal(want[k], got[k]) for k in want)
+        check(frames, back.sample_sequences(32, 16))
+
+
+def _flip(path, at: int, bits: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ bits]))
+
+
+@pytest.mark.parametrize("crc", [True, False])
+def test_a_damaged_block_is_a_corrupt_save_error_and_creates_nothing(saves, tmp_path, crc):
+    """A damaged byte in the middle of one block: the CRC catches even one flipped bit (one
+    that zstd may decode past, unnoticed); a save made before the CRC: the trial decode
+    catches a flipped byte.  The error names _blocks.npy; nothing is left in /dev/shm."""
+    import shutil
+    _, packed_dir, _ = saves
+    path = tmp_path / "s"
+    shutil.copytree(packed_dir, path)
+    table = np.load(path / "_packed.npy")
+    if not crc:     # the entries of a save made before the CRC: 5 fields
+        np.save(path / "_packed.npy", np.ascontiguousarray(table[:, :5]))
+        with shmbuf.load(path) as back:        # an undamaged one loads, compressed
+            assert back.stats().compression.compressed_chunks > 50
+    blocks = path / "_blocks.npy"
+    header = os.path.getsize(blocks) - int(table[-1, 3] + table[-1, 4])
+    _flip(blocks, header + int(table[7, 3] + table[7, 4] // 2), 0x01 if crc else 0xFF)
+    before = set(os.listdir(SHM))
+    with pytest.raises(shmbuf.CorruptSaveError, match="_blocks.npy"):
+        shmbuf.load(path)
+    assert not {n for n in set(os.listdir(SHM)) - before if n.startswith("shmbuf")}
