@@ -27,7 +27,6 @@ decoded into the rows instead only where it cannot be kept:
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import zlib
 
@@ -146,88 +145,118 @@ class SavedBlocks:
                            self.names)
 
 
-@dataclasses.dataclass
-class Kept:
-    """One saved chunk whose compressed columns go back as they are (``keep_plan``)."""
+class Placer:
+    """Puts a save's blocks into the chunks a restore claims (``checkpoint._Replay``).
 
-    entries: np.ndarray     # its entries, in the loaded buffer's column (bit) order
-    names: frozenset        # the columns put back compressed: their rows are never written
-    mask: int               # their bits in the chunk word
-    exact: bool             # the chunk must fill its new chunk (its stream goes on after it)
+    The replay writes each saved stream's rows in order through one writer.  Each time
+    that writer needs a new chunk, ``chunk(row, rows)`` says which columns of the
+    ``rows`` stream steps from saved row ``row`` on can go in as their saved blocks:
+    those whose blocks start at the chunk's first row and cover its steps block for
+    block (so they need not come from one saved chunk: a ring whose short last chunk
+    shifted the chunk boundaries still fits, when the shift is a multiple of the block
+    size), none of them among the newest ``hot_steps`` saved steps, and all of them
+    within the chunk's blob slot.  ``decode(...)`` fills the rows of the other blocks.
+    """
 
-    def slot_bytes(self, saved: SavedBlocks, plan) -> bytes:
-        """The blob slot's bytes: the directory, then the blocks, as a compressor writes."""
+    def __init__(self, saved: SavedBlocks, plan, codec: str, hot_steps: int,
+                 stream: np.ndarray, columns: dict):
+        self.saved, self.plan, self.columns = saved, plan, columns
+        n, e = len(stream), saved.entries
+        self.done = np.zeros(len(saved), bool)   # decoded into the rows already
+        same = (plan is not None and codec == saved.codec_name
+                and saved.block_rows == plan.block_rows)
+        self.bits = {c.name: c.bit for c in plan.columns} if same else {}
+        hot = e[:, FIRST] + e[:, ROWS] > n - hot_steps
+        # blocks that go in nowhere compressed: decoded at once, on a few threads
+        names = np.array(saved.names)[e[:, COL]] if len(e) else np.empty(0, str)
+        never = ~np.isin(names, list(self.bits)) | hot
+        self._decode(np.flatnonzero(never))
+        # each stream's rows in order, and where each row is in it
+        self.order = np.argsort(stream, kind="stable")
+        self.at = np.empty(n, np.int64)
+        self.at[self.order] = np.arange(n)
+        self.end = np.searchsorted(stream[self.order], stream, side="right")   # per row
+        # per column that may go in compressed: the entry starting at each row, and the
+        # one covering it (-1: none)
+        self.starts: dict[str, np.ndarray] = {}
+        self.cover: dict[str, np.ndarray] = {}
+        for name in self.bits:
+            if name not in saved.names:
+                continue
+            mine = np.flatnonzero((e[:, COL] == saved.names.index(name)) & ~self.done)
+            if not len(mine):
+                continue
+            first = np.full(n, -1, np.int64)
+            first[e[mine, FIRST]] = mine
+            cover = np.full(n, -1, np.int64)
+            cover[np.repeat(e[mine, FIRST], e[mine, ROWS])
+                  + _ramps(e[mine, ROWS])] = np.repeat(mine, e[mine, ROWS])
+            self.starts[name], self.cover[name] = first, cover
+        self.hot_from = n - hot_steps
+
+    def _decode(self, which: np.ndarray) -> None:
+        which = which[~self.done[which]]
+        if len(which):
+            self.saved.decode(which, self.columns)
+            self.done[which] = True
+
+    def rows_at(self, row: int, rows: int) -> np.ndarray:
+        """The saved rows of the ``rows`` stream steps from saved row ``row`` on (fewer
+        where the stream ends first)."""
+        i = int(self.at[row])
+        return self.order[i:min(i + rows, int(self.end[row]))]
+
+    def chunk(self, row: int, rows: int) -> tuple[frozenset, int, np.ndarray]:
+        """For a chunk of ``rows`` steps from saved row ``row``: the columns that go in
+        compressed, their mask, and their entries in the slot's (bit) order."""
+        plan, e = self.plan, self.saved.entries
+        saved_rows = self.rows_at(row, rows)
+        if not self.starts or saved_rows[-1] >= self.hot_from:
+            return frozenset(), 0, np.empty(0, np.int64)
+        b = plan.block_rows
+        want = np.minimum(b, len(saved_rows) - np.arange(0, len(saved_rows), b))
+        names, mask, parts, stored = set(), 0, [], 0
+        for name, first in sorted(self.starts.items(), key=lambda kv: self.bits[kv[0]]):
+            got = first[saved_rows[::b]]
+            if (got < 0).any() or not np.array_equal(e[got, ROWS], want):
+                continue   # its blocks do not start where this chunk's do
+            names.add(name)
+            mask |= 1 << self.bits[name]
+            parts.append(got)
+            stored += int(e[got, LENGTH].sum())
+        if not names or plan.dir_bytes + stored > plan.slot_bytes:
+            return frozenset(), 0, np.empty(0, np.int64)
+        return frozenset(names), mask, np.concatenate(parts)
+
+    def decode(self, row: int, rows: int, kept: frozenset) -> None:
+        """Decode the blocks of the columns not in ``kept`` that cover the ``rows`` stream
+        steps from saved row ``row`` on (their rows are written raw)."""
+        saved_rows = self.rows_at(row, rows)
+        for name, cover in self.cover.items():
+            if name not in kept:
+                got = np.unique(cover[saved_rows])
+                self._decode(got[got >= 0])
+
+    def slot_bytes(self, entries: np.ndarray, row: int) -> bytes:
+        """The blob slot's bytes for ``entries`` (``chunk``'s) of a chunk whose first step
+        is saved row ``row``: the directory, then the blocks, as a compressor writes."""
         from ..protocol.packing import DIR_ENTRY
 
+        plan, saved = self.plan, self.saved
         directory = np.zeros((len(plan.columns), plan.n_blocks, 2), "<u4")
-        bit = {c.name: c.bit for c in plan.columns}
-        first = int(saved.entries[self.entries, FIRST].min())
         at = len(plan.columns) * plan.n_blocks * DIR_ENTRY
+        start = int(self.at[row])
         parts = []
-        for e in self.entries.tolist():
-            col, row, _, _, length = (int(x) for x in saved.entries[e, :5])
-            directory[bit[saved.names[col]], (row - first) // plan.block_rows] = (at, length)
+        for e in entries.tolist():
+            col, first, _, _, length = (int(x) for x in saved.entries[e, :5])
+            j = (int(self.at[first]) - start) // plan.block_rows
+            directory[self.bits[saved.names[col]], j] = (at, length)
             parts.append(saved.block(e))
             at += length
         return directory.tobytes() + b"".join(parts)
 
 
-def keep_plan(saved: SavedBlocks, plan, codec: str, hot_steps: int, starts: np.ndarray,
-              stream: np.ndarray, columns: dict) -> dict[int, Kept]:
-    """Which saved chunks go back compressed: ``{first row: Kept}``; every other block is
-    decoded into ``columns`` now.  ``plan``: the loaded buffer's ``PackPlan`` (None: it
-    compresses nothing), ``codec`` its codec; ``starts`` the chunks' first rows and
-    ``stream`` each row's stream (after any cut).  The rules: the module docstring."""
-    n = len(stream)
-    keep: dict[int, Kept] = {}
-    decode: list[np.ndarray] = []
-    same = plan is not None and codec == saved.codec_name and saved.block_rows == plan.block_rows
-    if not same or not len(saved):
-        saved.decode(np.arange(len(saved)), columns)
-        return keep
-    bits = {c.name: c.bit for c in plan.columns}
-    b_rows = plan.block_rows
-    ends = np.append(starts[1:], n).astype(np.int64)
-    # a chunk is the last of its stream when no later chunk starts in the same stream
-    first_stream = stream[starts] if n else np.empty(0, np.int64)
-    last = np.ones(len(starts), bool)
-    seen: set[int] = set()
-    for i in range(len(starts) - 1, -1, -1):
-        sid = int(first_stream[i])
-        last[i] = sid not in seen
-        seen.add(sid)
-    e = saved.entries
-    for i, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
-        mine = saved.in_rows(a, b)
-        if not len(mine):
-            continue
-        count = b - a
-        if count > plan.chunk_size or n - b < hot_steps:
-            decode.append(mine)
-            continue
-        want = np.arange(a, b, b_rows)
-        kept, names, mask, stored = [], set(), 0, 0
-        for col in np.unique(e[mine, COL]).tolist():
-            own = mine[e[mine, COL] == col]
-            own = own[np.argsort(e[own, FIRST], kind="stable")]
-            name = saved.names[col]
-            whole = (name in bits and len(own) == len(want)
-                     and np.array_equal(e[own, FIRST], want)
-                     and np.array_equal(e[own, ROWS], np.minimum(b_rows, b - want)))
-            if not whole:
-                decode.append(own)
-                continue
-            kept.append((bits[name], own))
-            names.add(name)
-            mask |= 1 << bits[name]
-            stored += int(e[own, LENGTH].sum())
-        if not kept:
-            continue
-        order = np.concatenate([own for _, own in sorted(kept, key=lambda x: x[0])])
-        if plan.dir_bytes + stored > plan.slot_bytes:   # another layout: it does not fit
-            decode.append(order)
-            continue
-        keep[a] = Kept(order, frozenset(names), mask, exact=not last[i])
-    if decode:
-        saved.decode(np.concatenate(decode), columns)
-    return keep
+def _ramps(lengths: np.ndarray) -> np.ndarray:
+    """0, 1, .., l - 1 for each l of ``lengths``, concatenated."""
+    ends = np.cumsum(lengths)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(ends - lengths, lengths)

@@ -29,7 +29,7 @@ import numpy as np
 from ..protocol.layout import EP_COLUMN, PRIORITY_COLUMN
 from ..protocol.ring import Ring
 from ..writing.compress import META_KEY
-from .blocks import SavedBlocks, keep_plan
+from .blocks import Placer, SavedBlocks
 
 FORMAT = "shmbuf-steps-v1"
 
@@ -350,11 +350,9 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
             saved = saved.cut(n - buf.capacity, state["columns"])
         state, stream, ends, starts = newest_rows(state, stream, ends, starts, buf.capacity)
         n = len(stream)
-    kept: dict = {}
-    if saved is not None:
-        kept = _plan_packed(buf, ring, saved, starts, stream, state["columns"])
+    placer = None if saved is None else _placer(buf, ring, saved, stream, state["columns"])
     ring.clear()
-    replay = _Replay(buf, state, ends, saved, kept)
+    replay = _Replay(buf, state, ends, placer)
     try:
         for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
             replay.schedule(int(stream[a]), a, b)
@@ -365,16 +363,15 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
         replay.close()
 
 
-def _plan_packed(buf, ring: Ring, saved: SavedBlocks, starts: np.ndarray, stream: np.ndarray,
-                 columns: dict) -> dict:
-    """The saved chunks that go back compressed (``blocks.keep_plan``); the other blocks
-    are decoded into ``columns`` now."""
-    words = ring.packing
-    conf = buf.meta.get(META_KEY) if words is not None else None
-    if words is None or ring.unpacker is None or not isinstance(conf, dict):
-        return keep_plan(saved, None, "", 0, starts, stream, columns)
-    return keep_plan(saved, words.plan, ring.unpacker.codec.name, int(conf["hot_steps"]),
-                     starts, stream, columns)
+def _placer(buf, ring: Ring, saved: SavedBlocks, stream: np.ndarray, columns: dict) -> Placer:
+    """Where the save's compressed blocks go (``blocks.Placer``); the blocks that can go
+    nowhere compressed are decoded into ``columns`` now."""
+    words, unpack = ring.packing, ring.unpacker
+    conf = buf.meta.get(META_KEY)
+    if words is None or unpack is None or not isinstance(conf, dict):
+        return Placer(saved, None, "", 0, stream, columns)
+    return Placer(saved, words.plan, unpack.codec.name, int(conf["hot_steps"]), stream,
+                  columns)
 
 
 def newest_rows(state: dict[str, Any], stream: np.ndarray, ends: np.ndarray,
@@ -421,14 +418,13 @@ def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state
 class _Replay:
     """Writers for the checkpoint's streams, and the rows each may still write."""
 
-    def __init__(self, buf, state, ends: np.ndarray, saved: SavedBlocks | None = None,
-                 kept: dict | None = None):
+    def __init__(self, buf, state, ends: np.ndarray, placer: Placer | None = None):
         self.buf = buf
         self.episode = np.asarray(state["episode"])
         self.columns = {k: np.asarray(v) for k, v in state["columns"].items()}
-        # Saved chunks put back compressed (by first row), and per stream the columns of
-        # the chunk it fills now that are held compressed there (never written).
-        self.saved, self.kept = saved, kept or {}
+        # A save's compressed blocks (a load), and per stream the columns of the chunk it
+        # fills now that are held compressed there (never written).
+        self.placer = placer if placer is not None and placer.starts else None
         self.unwritten: dict[int, frozenset] = {}
         self.done = self.columns[buf.done_key] if buf.done_key else None
         self.ends = ends
@@ -443,36 +439,41 @@ class _Replay:
         span = self.pending.get(sid)
         if span is not None and span[0] < span[1]:
             self._advance(sid, force=True)   # the stream's earlier rows come first
-        self.unwritten[sid] = self._put_packed(sid, a, b)
         self.pending[sid] = [a, b]
         self._write(sid, a)
         self.pending[sid][0] = a + 1
         self.drain(force=False)
 
-    def _put_packed(self, sid: int, a: int, b: int) -> frozenset:
-        """If rows ``[a, b)`` are a saved chunk kept compressed, claim its chunk and put
-        its blocks there: return the columns held compressed (their rows are never
-        written).  Where that fails, decode them into the rows: an empty set."""
-        kept = self.kept.pop(a, None)
-        if kept is None:
-            return frozenset()
-        assert self.saved is not None
+    def _prepare(self, sid: int, w, row: int, want: int) -> tuple[frozenset, int]:
+        """Before stream ``sid`` writes ``want`` steps from saved row ``row``: the columns
+        held compressed in its chunk, and how many of the steps fit that chunk.  At a
+        chunk's end (a load with compressed blocks only) the next chunk is claimed here,
+        with the blocks that fit it put in (``blocks.Placer``) and the others decoded."""
+        placer = self.placer
+        if placer is None:
+            return frozenset(), want
+        room = w._room()
+        if room:
+            return self.unwritten.get(sid, frozenset()), min(room, want)
         ring = self.buf._parts.ring
-        w = self._writer_at(sid, a)
-        self.prev[sid] = -1   # the cut before row a is made: _write must not make it again
-        got = w._start_chunk(b - a, kept.exact, kept.names)
-        if got is not None:
-            words = ring.packing
-            data = kept.slot_bytes(self.saved, words.plan)
+        rows = int(ring.chunk_rows[ring.next_claim()])
+        names, mask, entries = placer.chunk(row, rows)
+        chunk, seq, rows_got = w._claim_next(names)
+        if names and rows_got != rows:   # another claim took that chunk first
+            ring.reserve_rows(chunk, names)
+            names = frozenset()
+        if names:
             try:
-                if words.put_packed(got[0], got[1], kept.mask, data):
-                    return kept.names
+                put = ring.packing.put_packed(chunk, seq, mask, placer.slot_bytes(entries, row))
             except BaseException:
-                ring.reserve_rows(got[0], kept.names)   # the chunk is claimed: keep it sane
+                ring.reserve_rows(chunk, names)   # the claimed chunk stays writable
                 raise
-            ring.reserve_rows(got[0], kept.names)
-        self.saved.decode(kept.entries, self.columns)
-        return frozenset()
+            if not put:
+                ring.reserve_rows(chunk, names)
+                names = frozenset()
+        placer.decode(row, rows_got, names)
+        self.unwritten[sid] = names
+        return names, min(rows_got, want)
 
     def drain(self, force: bool) -> None:
         """Write what the episode order allows; with ``force``, everything."""
@@ -514,8 +515,10 @@ class _Replay:
     def _write_run(self, sid: int, a: int, b: int) -> None:
         """Rows ``[a, b)`` of one episode, none of them ending one in the index, at once."""
         w = self._writer_at(sid, a)
-        w._extend({k: v[a:b] for k, v in self.columns.items()},
-                  self.unwritten.get(sid, frozenset()))
+        while a < b:
+            unwritten, k = self._prepare(sid, w, a, b - a)
+            w._extend({name: v[a:a + k] for name, v in self.columns.items()}, unwritten)
+            a += k
         self.prev[sid] = b - 1
 
     def _due(self) -> int:
@@ -535,7 +538,7 @@ class _Replay:
 
     def _write(self, sid: int, i: int) -> None:
         w = self._writer_at(sid, i)
-        unwritten = self.unwritten.get(sid)
+        unwritten, _ = self._prepare(sid, w, i, 1)
         if unwritten:
             w._extend({k: v[i:i + 1] for k, v in self.columns.items()}, unwritten)
         else:

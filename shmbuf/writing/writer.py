@@ -280,7 +280,7 @@ class Writer:
 
     def _extend(self, columns: dict, unwritten: frozenset = frozenset()) -> None:
         """``extend``, leaving the rows of the columns ``unwritten`` as they are (a load
-        whose chunk holds them compressed already: ``_start_chunk``); their values are
+        whose chunk holds them compressed already: ``_claim_next``); their values are
         neither read nor checked beyond their shape."""
         self._check()
         self._check_names(columns, "extend")
@@ -323,30 +323,26 @@ class Writer:
             self._steps += k
             at += k
 
-    def _start_chunk(self, rows: int, exact: bool, unwritten: frozenset) -> tuple[int, int] | None:
-        """Internal (load): claim the chunk this writer's stream fills next, for ``rows``
-        steps whose columns ``unwritten`` are put in compressed, so their pages are
-        neither reserved nor mapped.  Returns ``(chunk, seq)``: the chunk's first row is
-        the next step's, and it holds the ``rows`` steps (exactly ``rows``, if ``exact``,
-        so that the stream's later steps go to another chunk).  None, claiming nothing,
-        if the stream is inside a chunk or the next chunk does not fit; None too if a
-        claim elsewhere took that chunk first, after reserving the pages after all (the
-        caller writes every column then).
+    def _room(self) -> int:
+        """Internal (load): steps that still fit this writer's stream's current chunk
+        (0: the next step claims a chunk)."""
+        s = self._solo
+        return 0 if s is None else int(s.rows[0] - s.fill[0])
+
+    def _claim_next(self, unwritten: frozenset) -> tuple[int, int, int]:
+        """Internal (load): claim the chunk this writer's stream fills next (its current
+        one is full, ``_room() == 0``), leaving the pages of the columns ``unwritten``
+        neither reserved nor mapped (a load puts them in compressed).  Returns
+        ``(chunk, seq, rows)``.
+
+        Raises:
+            SharedMemoryFullError: as ``add``; nothing was claimed.
         """
         self._check()
         s = self._solo_streams()
-        ring = self._ring
-        if s.fill[0] != s.rows[0]:
-            return None      # inside a chunk: its first row is not the next step's
-        fits = (lambda have: have == rows) if exact else (lambda have: have >= rows)
-        if not fits(int(ring.chunk_rows[ring.next_claim()])):
-            return None
+        assert s.fill[0] == s.rows[0], "the stream is inside a chunk"
         s.advance(0, unwritten)
-        chunk = int(s.chunk[0])
-        if not fits(int(s.rows[0])):
-            ring.reserve_rows(chunk, unwritten)
-            return None
-        return chunk, int(s.seq[0])
+        return int(s.chunk[0]), int(s.seq[0]), int(s.rows[0])
 
     def _run_length(self, columns: dict) -> int:
         """The run length ``T`` every column of an ``extend`` agrees on; raises if none."""
