@@ -53,7 +53,7 @@ def shm_used() -> int:
 
 @pytest.fixture(scope="module")
 def saves(frames, tmp_path_factory):
-    """The same steps (two streams, wrapped, episodes ended and cut) saved from a raw buffer
+    """The same steps (five streams, wrapped, episodes ended and cut) saved from a raw buffer
     and from a compacted compressing one: ``(raw save, compressed save, its compression)``."""
     root = tmp_path_factory.mktemp("saves")
     made = []
@@ -62,8 +62,12 @@ def saves(frames, tmp_path_factory):
             b = shmbuf.create(spec(), 1024, chunk_size=16, seed=11, compress=comp,
                               priorities=True)
             made.append(b)
-            fill(b, frames, 700)
-            with b.writer() as w:    # a second stream, cut without a terminal at its end
+            fill(b, frames, 500)
+            with b.writer() as w:    # three env streams, filling chunks side by side
+                for j in range(120):
+                    idx = (np.arange(3) * 311 + j) % len(frames)
+                    w.add_batch(obs=frames[idx], idx=idx, done=(idx % 23 == 0))
+            with b.writer() as w:    # one more stream, cut without a terminal at its end
                 for j in range(500):
                     w.add(obs=frames[(j * 7) % len(frames)], idx=(j * 7) % len(frames),
                           done=j % 29 == 28)
