@@ -76,7 +76,11 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
     (terminal steps and ``end_episode`` cuts), through writers, so sampling
     treats them exactly like fresh ones.  A save made by a seed facade comes
     back as that facade; one made by ``HistoryBuffer.save`` as a
-    HistoryBuffer (``HistoryBuffer.load``).
+    HistoryBuffer (``HistoryBuffer.load``).  A compressing buffer's save
+    comes back with its ``Compress`` settings (``hot_steps`` at its default
+    if ``capacity`` changes) and its compressed blocks put back as they are,
+    undecoded, so /dev/shm holds the compressed bytes (``shmbuf.disk.blocks``
+    says which blocks are decoded instead).
 
     Args:
         path: the save's directory.
@@ -90,8 +94,9 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
 
     Raises:
         FileNotFoundError: no directory at ``path``.
-        CorruptSaveError: the save is incomplete, truncated, tampered with, or
-            its files do not match its schema; nothing is created.
+        CorruptSaveError: the save is incomplete, truncated, tampered with
+            (a compressed block that fails its CRC-32 among them), or its files
+            do not match its schema; nothing is created.
         SegmentExistsError: ``name`` is taken.
 
     Example:

@@ -6,24 +6,27 @@ were in shared memory (``_blocks.npy``, listed in ``_packed.npy``; see
 CRC-32, or, in a save whose entries carry none, a trial decode), so a damaged
 save is a ``CorruptSaveError`` naming the file and nothing is half loaded.
 
-Then ``restore`` puts each saved chunk's blocks back as they are: it claims
-the chunk for them, writes them into the chunk's blob slot and publishes the
-chunk's word as packed (``PackWords.put_packed``) before any of its rows is
-published; the rows of its packed columns are never written, and their pages
-never reserved, so /dev/shm holds the compressed bytes only.  A block is
-decoded into the rows instead only where it cannot be kept:
+Then ``restore`` (``checkpoint._Replay``) puts the blocks back as they are:
+each time the writer replaying a saved stream needs a chunk, ``Placer`` says
+which packed columns of the steps that will fill it have saved blocks that
+start at its first step and cover it block for block; the chunk is claimed
+without reserving those columns' pages, the blocks go into its blob slot and
+its word is published as packed (``PackWords.put_packed``) before any of its
+rows is, and those rows are never written: /dev/shm holds the compressed
+bytes only.  Blocks are matched by stream position, not by saved chunk, so
+one new chunk may take the blocks of two saved ones.  A block is decoded into
+its rows instead only where it cannot be kept:
 
 - the loaded buffer does not compress that column, or uses another codec or
-  block size (a save loaded with another ``capacity`` may get another chunk
-  size);
-- the chunk is among the newest ``hot_steps`` saved steps, which the loaded
-  buffer keeps raw;
-- its blocks do not cover its rows block for block from its first row (a
-  chunk that a smaller ``capacity`` cut), or do not fit the chunk's blob slot;
-- the chunk does not land at a fresh chunk of the loaded buffer that it fills
-  exactly (or, the last of its stream, fits): the stream is inside a chunk, or
-  the chunk is shorter (the short last chunk of a capacity that is not a
-  multiple of the chunk size).
+  block size;
+- it is among the newest ``hot_steps`` saved steps (by save order), which the
+  loaded buffer keeps raw;
+- a chunk of the loaded buffer does not start on one of its stream's blocks:
+  a smaller ``capacity`` cut a chunk off the block grid, or a ring whose
+  ``capacity`` is not a multiple of ``chunk_size`` had a short last chunk
+  that shifted its stream's later chunks by a part of a block;
+- the blocks do not fit the chunk's blob slot, or a claim elsewhere took the
+  chunk that was planned for, so it has another size.
 """
 from __future__ import annotations
 
