@@ -106,7 +106,7 @@ class Writer:
         the names are already checked."""
         out: list = []
         for name, _, dtype, shape in self._cols:
-            if name in skip:
+            if skip and name in skip:
                 out.append(None)
                 continue
             v = columns[name]
