@@ -263,3 +263,37 @@ def test_a_damaged_block_is_a_corrupt_save_error_and_creates_nothing(saves, tmp_
     with pytest.raises(shmbuf.CorruptSaveError, match="_blocks.npy"):
         shmbuf.load(path)
     assert not {n for n in set(os.listdir(SHM)) - before if n.startswith("shmbuf")}
+
+
+def test_load_never_reserves_nor_maps_the_rows_it_puts_back_compressed(saves, monkeypatch):
+    """Every reservation and page mapping during the load, recorded on their way through:
+    none touches the obs rows of a chunk that holds its saved blocks (a reservation there
+    that was punched again afterwards would still cost its pages for a while)."""
+    from shmbuf.posix.space import Space
+    from shmbuf.protocol.packing import PACKED, unpack_word
+    from shmbuf.segment.pages import ChunkPages
+
+    reserved, mapped = [], []
+    reserve, populate = Space.reserve, ChunkPages.populate
+
+    def spy_reserve(self, offset, length, what):
+        reserved.append((offset, offset + length))
+        return reserve(self, offset, length, what)
+
+    def spy_populate(self, chunk):
+        mapped.append(chunk)
+        return populate(self, chunk)
+    monkeypatch.setattr(Space, "reserve", spy_reserve)
+    monkeypatch.setattr(ChunkPages, "populate", spy_populate)
+    _, packed_dir, _ = saves
+    with shmbuf.load(packed_dir, seed=1) as buf:
+        buf._packer.stop()
+        obs = buf._layout.column("obs")
+        kept = [c for c, w in enumerate(buf._ring.packing.words.tolist())
+                if unpack_word(w)[1] == PACKED and unpack_word(w)[2] & 1]
+        assert len(kept) > 50
+        for c in kept:
+            lo = obs.offset + c * 16 * obs.row_bytes
+            hi = lo + 16 * obs.row_bytes
+            assert not [r for r in reserved if r[0] < hi and r[1] > lo], c
+            assert c not in mapped
