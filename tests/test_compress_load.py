@@ -181,14 +181,20 @@ def test_writers_wrap_into_loaded_chunks_and_compaction_goes_on(saves, frames):
 
 
 def test_the_compressor_goes_on_in_the_loaded_buffer(saves, frames):
+    from shmbuf.protocol.packing import PACKED, unpack_word
     _, packed_dir, _ = saves
     with shmbuf.load(packed_dir, seed=2) as buf:
-        before = buf.stats().compression.compressed_chunks
-        fill(buf, frames, 128, start=9000)     # the loaded hot chunks turn cold
+        words = buf._ring.packing.words
+        _, count = buf._ring.chunk_states()
+        raw = [c for c in range(len(count))   # the newest saved steps: loaded raw, hot
+               if count[c] and unpack_word(int(words[c]))[1] != PACKED]
+        assert raw
+        fill(buf, frames, 128, start=9000)     # they turn cold
 
         def caught_up():
             c = buf.stats().compression
-            return True if c.cold_raw_chunks == 0 and c.compressed_chunks >= before else None
+            packed = [x for x in raw if unpack_word(int(words[x]))[1] == PACKED]
+            return True if c.cold_raw_chunks == 0 and packed else None
         poll(caught_up, TIMEOUT, lambda: TimeoutError("the loaded buffer's thread never packed"))
         assert buf._packer.last_error is None
         check(frames, buf.snapshot()["columns"])
