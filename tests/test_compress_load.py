@@ -303,3 +303,21 @@ def test_load_never_reserves_nor_maps_the_rows_it_puts_back_compressed(saves, mo
             hi = lo + 16 * obs.row_bytes
             assert not [r for r in reserved if r[0] < hi and r[1] > lo], c
             assert c not in mapped
+
+
+@pytest.mark.parametrize("rows", [8, 32])
+def test_an_entry_edited_to_other_rows_is_a_corrupt_save_error(saves, tmp_path, rows):
+    """A block's CRC covers its bytes; the rows its entry names are checked against the
+    block's own header (8: fewer than it holds) and the block grid (32: more than a
+    block), so an edited entry is refused at load, not found by a reader later."""
+    import shutil
+    _, packed_dir, _ = saves
+    path = tmp_path / "s"
+    shutil.copytree(packed_dir, path)
+    table = np.load(path / "_packed.npy")
+    table[5, 2] = rows
+    np.save(path / "_packed.npy", table)
+    before = set(os.listdir(SHM))
+    with pytest.raises(shmbuf.CorruptSaveError, match="_blocks.npy|_packed.npy"):
+        shmbuf.load(path)
+    assert not {n for n in set(os.listdir(SHM)) - before if n.startswith("shmbuf")}

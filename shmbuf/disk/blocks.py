@@ -59,6 +59,21 @@ def _run(fn, n: int) -> None:
             f.result()
 
 
+def _size_reader(codec: str):
+    """``size(blob)``: the bytes a block of ``codec`` decodes to, from its header alone
+    (a zstd frame records it; an lz4 block starts with it, as a little-endian u32)."""
+    if codec == "zstd":
+        import zstandard
+
+        def size(blob) -> int:
+            try:
+                return int(zstandard.get_frame_parameters(blob).content_size)
+            except zstandard.ZstdError:
+                return -1
+        return size
+    return lambda blob: int.from_bytes(bytes(blob[:4]), "little") if len(blob) >= 4 else -1
+
+
 class SavedBlocks:
     """The compressed blocks of one save: ``entries`` (m, 5 or 6) int64 (see ``COL``..
     ``CRC``), ``blocks`` the bytes of ``_blocks.npy``, ``names`` the spec's columns."""
@@ -87,17 +102,34 @@ class SavedBlocks:
 
     # -- checking ----------------------------------------------------------------------
     def check(self, columns: dict) -> None:
-        """Raise ``CorruptSaveError`` (naming ``_blocks.npy``) unless every block is whole:
-        its CRC-32 matches, or, in a save without CRCs, it decodes to its rows."""
+        """Raise ``CorruptSaveError`` unless the entries tile each column's rows in blocks
+        of at most ``block_rows`` (naming ``_packed.npy``) and every block is whole (naming
+        ``_blocks.npy``): its CRC-32 matches and its header says it holds its rows, or, in
+        a save without CRCs, it decodes to its rows."""
         entries = self.entries
+        for col in np.unique(entries[:, COL]).tolist():
+            mine = entries[entries[:, COL] == col]
+            mine = mine[np.argsort(mine[:, FIRST], kind="stable")]
+            if (mine[:, ROWS] > self.block_rows).any() or (
+                    mine[1:, FIRST] < mine[:-1, FIRST] + mine[:-1, ROWS]).any():
+                raise _bad(self.path, f"_packed.npy lists blocks of column {self.names[col]!r} "
+                                      f"that overlap or exceed {self.block_rows} rows")
         if entries.shape[1] > CRC:
             crc = entries[:, CRC].tolist()
+            sizes = {name: a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+                     for name, a in columns.items()}
+            size_of = _size_reader(self.codec_name)
 
             def run(part: range) -> None:
                 for e in part:
-                    if zlib.crc32(self.block(e)) != crc[e]:
+                    blob = self.block(e)
+                    col, _, n = (int(x) for x in entries[e, :3])
+                    if zlib.crc32(blob) != crc[e]:
                         raise _bad(self.path, f"{BLOCKS_FILE} is damaged: the compressed block "
                                               f"of {self._where(e)} fails its CRC-32 check")
+                    if size_of(blob) != n * sizes[self.names[col]]:
+                        raise _bad(self.path, f"the compressed block of {self._where(e)} in "
+                                              f"{BLOCKS_FILE} does not hold those rows")
         else:
             def run(part: range) -> None:
                 for e in part:
