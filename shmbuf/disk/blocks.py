@@ -275,20 +275,19 @@ class Placer:
     def slot_bytes(self, entries: np.ndarray, row: int) -> bytes:
         """The blob slot's bytes for ``entries`` (``chunk``'s) of a chunk whose first step
         is saved row ``row``: the directory, then the blocks, as a compressor writes."""
-        from ..protocol.packing import DIR_ENTRY
-
         plan, saved = self.plan, self.saved
+        ent = saved.entries[entries]
+        bit = np.array([self.bits.get(name, -1) for name in saved.names])[ent[:, COL]]
+        block = (self.at[ent[:, FIRST]] - int(self.at[row])) // plan.block_rows
+        length = ent[:, LENGTH]
         directory = np.zeros((len(plan.columns), plan.n_blocks, 2), "<u4")
-        at = len(plan.columns) * plan.n_blocks * DIR_ENTRY
-        start = int(self.at[row])
-        parts = []
-        for e in entries.tolist():
-            col, first, _, _, length = (int(x) for x in saved.entries[e, :5])
-            j = (int(self.at[first]) - start) // plan.block_rows
-            directory[self.bits[saved.names[col]], j] = (at, length)
-            parts.append(saved.block(e))
-            at += length
-        return directory.tobytes() + b"".join(parts)
+        directory[bit, block, 0] = plan.dir_bytes + np.cumsum(length) - length
+        directory[bit, block, 1] = length
+        off = ent[:, OFFSET]
+        if (off[1:] == off[:-1] + length[:-1]).all():   # back to back in the file: one read
+            body = saved.blocks[int(off[0]):int(off[-1] + length[-1])]
+            return directory.tobytes() + body.tobytes()
+        return directory.tobytes() + b"".join(saved.block(e) for e in entries.tolist())
 
 
 def _ramps(lengths: np.ndarray) -> np.ndarray:
