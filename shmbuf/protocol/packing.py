@@ -400,7 +400,7 @@ class PackWords:
                     return True
                 continue
             _, phase, _, pid = unpack_word(word)
-            if phase != BUSY or not holder_alive(pid):
+            if phase != BUSY or not self.held_by_live(chunk, pid):
                 break
             os.sched_yield()   # a compressor that saw the chunk sealed before: it backs off
         if written:
