@@ -56,6 +56,7 @@ from ..posix.procs import (
     start_time,
 )
 from ..posix.space import PAGE
+from ..posix.wait import poll
 from . import _atomic as atomic
 
 RAW, BUSY, PUNCHING, PACKED = 0, 1, 2, 3
@@ -66,6 +67,7 @@ READER_SLOTS = 1024       # reader threads attached at once, over all processes
 READER_ENTRY = 16         # state word (pid << 32 | generation: odd while reading), start time
 DIR_ENTRY = 8             # per block of a packed column: u32 offset in the slot, u32 length
 MIN_RATIO = 1.5           # a column kept packed must shrink at least this much
+QUIET_WAIT = 10.0         # s a load waits for readers before giving pages back (else keeps them)
 _FULL = (errno.ENOSPC, errno.ENOMEM, errno.EFBIG)
 _PUNCH = 0x01 | 0x02      # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -396,7 +398,11 @@ class PackWords:
                     written = True
                 if atomic.compare_exchange(self.mm, off, 0, pack_word(seq, PACKED, mask, 0)):
                     atomic.fence_seq_cst()
-                    self.punch_raw(chunk, mask)   # nothing was written there, nor read raw
+                    # Nothing of this claim is there; pages a recycle reserved again may
+                    # still be read by a reader of the chunk's previous claim (its re-check
+                    # drops the copy), so they go back only once those readers have left.
+                    if self._quiet(QUIET_WAIT):
+                        self.punch_raw(chunk, mask)
                     return True
                 continue
             _, phase, _, pid = unpack_word(word)
@@ -407,6 +413,18 @@ class PackWords:
             start = self.plan.slot(chunk)
             punch(self.fd, start, start + self.plan.slot_bytes)
         return False
+
+    def _quiet(self, timeout: float) -> bool:
+        """Wait until every reader inside a read now has left it; False after ``timeout``."""
+        busy = self.readers.busy()
+        if not busy:
+            return True
+        try:
+            poll(lambda: True if all(self.readers.moved_on(o, w) for o, w in busy) else None,
+                 timeout, lambda: TimeoutError())
+        except TimeoutError:
+            return False
+        return True
 
     # -- the recycler (Ring.recycle, after its state CAS) -------------------------------
     def on_recycle(self, chunk: int) -> bool:
