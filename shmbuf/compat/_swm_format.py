@@ -220,16 +220,27 @@ class ShmWriter:
         mode: ``"append"`` (default), ``"overwrite"`` or ``"error"``.
         max_steps: capacity of a table it creates (default 1,000,000 steps);
             the oldest episodes are evicted first.
+        compress: as ``ReplayBuffer``'s: the columns a table it creates keeps
+            compressed in its cold chunks (an existing table keeps its own
+            settings).  A compressing table is compacted when the writer's
+            last ``with`` block ends without an error, so every chunk older
+            than ``hot_steps`` is compressed before the writer lets go
+            (``Compress(..., hot_steps=0)``: every sealed chunk).
 
     Raises:
-        ValueError: a bad path or mode, or a name that is not a swm table.
+        ValueError: a bad path or mode, or a name that is not a swm table;
+            ``compress`` with ``hot_steps`` above ``max_steps``.
+        TypeError: ``compress`` of another type.
+        ImportError: ``compress``'s codec library is not installed.
     """
 
-    def __init__(self, path, *, mode: str = "append", max_steps: int = 1_000_000) -> None:
+    def __init__(self, path, *, mode: str = "append", max_steps: int = 1_000_000,
+                 compress=None) -> None:
         _swm_format.validate_write_mode(mode)
         self.name = parse(path, "ShmWriter")
         self.mode = mode
         self.max_steps = codec.positive("max_steps", max_steps)
+        self.compress = table.check_compress(compress, self.max_steps, "ShmWriter")
         self._depth = 0
         self._started = False
         self._tab: table.Table | None = None
@@ -240,7 +251,7 @@ class ShmWriter:
             self._started = True
         if self._tab is None:
             self._tab = table.Table(self.name, self.max_steps, {"max_steps": self.max_steps},
-                                    keep_created=True)
+                                    keep_created=True, compress=self.compress)
         self._depth += 1
         return self
 
@@ -254,11 +265,18 @@ class ShmWriter:
         if self.mode == "overwrite":
             table.remove(self.name)
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._depth -= 1
         if self._depth == 0 and self._tab is not None:
-            self._tab.close(remove_segment=False)
-            self._tab = None
+            tab, self._tab = self._tab, None
+            try:
+                # The table outlives this writer, and no process may own it after: the
+                # owner's compressor (this writer's, if it made the table) may never run
+                # again, so the cold chunks are compressed now (0 when it keeps none).
+                if exc_type is None and tab.buf is not None:
+                    tab.buf.compact()
+            finally:
+                tab.close(remove_segment=False)
 
     def write_episode(self, ep_data: dict) -> None:
         """Append one episode (``World.collect``'s per-step lists, or arrays).

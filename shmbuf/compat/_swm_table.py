@@ -33,9 +33,11 @@ from .._errors import (
     SegmentNotFoundError,
 )
 from ..protocol.layout import CLOSED_OWNER
+from ..sampling.codec import Codec
 from ..sampling.windows import Windows
 from ..segment.segment import unlink as unlink_segment
 from ..store import buffer as store
+from ..writing.compress import Compress
 from . import _swm_codec as codec
 
 FACADE = "swm"
@@ -78,6 +80,52 @@ def attach_table(name: str, who: str):
     return buf
 
 
+def check_compress(compress, capacity: int, who: str):
+    """``compress=`` of a swm object, checked before anything exists: None (raw), True
+    (every uint8 column of two or more dimensions per step: the frames), or a
+    ``shmbuf.Compress`` naming swm columns (checked against them at the first episode).
+
+    Raises:
+        TypeError: another type.
+        ValueError: ``hot_steps`` above ``capacity`` (swm's ``max_steps``).
+        ImportError: the codec's library is not installed (names the extra).
+    """
+    if compress is None or compress is False:
+        return None
+    if compress is True:
+        Codec("zstd", 1)   # Compress's defaults; the library must import
+        return True
+    if not isinstance(compress, Compress):
+        raise TypeError(f"{who}: compress must be True, False, None or a shmbuf.Compress, "
+                        f"got {compress!r}")
+    if compress.hot_steps is not None and compress.hot_steps > capacity:
+        raise ValueError(f"{who}: compress: hot_steps must be at most max_steps "
+                         f"({capacity}), got {compress.hot_steps}")
+    Codec(compress.codec, compress.level)   # its library must import: fail here, not later
+    return compress
+
+
+def store_compress(compress, cols: dict[str, np.ndarray], who: str) -> Compress | None:
+    """The store's ``Compress`` (columns ``c{i}``) for ``check_compress``'s value, once the
+    first episode's columns ``cols`` are known.
+
+    Raises:
+        ValueError: a column that is not one of the episode's (nothing is made).
+    """
+    if compress is None:
+        return None
+    names = list(cols)
+    if compress is True:    # the frames: uint8, two or more dimensions per step
+        picked = [c for c, arr in cols.items() if arr.dtype == np.uint8 and arr.ndim >= 3]
+        return Compress([f"c{names.index(c)}" for c in picked]) if picked else None
+    for c in compress.columns:
+        if c not in names:
+            raise ValueError(f"{who}: compress: columns names {c!r}, which is not a column "
+                             f"of the episodes; their columns are {sorted(names)}")
+    return Compress([f"c{names.index(c)}" for c in compress.columns], codec=compress.codec,
+                    level=compress.level, hot_steps=compress.hot_steps)
+
+
 class Table:
     """The shared table behind one swm object (see the module docstring).
 
@@ -89,11 +137,14 @@ class Table:
         adopt: this process answers for the segment: when the process that
             created it has died, take ownership (``attach(own=True)``), so that
             ``shmbuf gc`` leaves it alone and this process removes it at close.
+        compress: ``check_compress``'s value: the columns a segment made here
+            keeps compressed in its cold chunks (an existing one keeps its own).
     """
 
     def __init__(self, name: str, capacity: int, params: dict, *, keep_created: bool,
-                 adopt: bool = False):
+                 adopt: bool = False, compress=None):
         self.name = name
+        self.compress = compress
         self.adopt = adopt
         self.capacity = capacity
         self.params = params
@@ -119,11 +170,12 @@ class Table:
         width = codec.data_width(blob, steps)
         spec.update(done=((), np.bool_), mark=((), np.uint8), epd=((width,), np.uint8))
         meta = {"facade": FACADE, "params": self.params, "columns": list(cols)}
+        compress = store_compress(self.compress, cols, who)
         try:
             # overcommit: like swm's np.empty rings (and a file on tmpfs), the table takes
             # memory as it fills; a full /dev/shm is SharedMemoryFullError at that write.
             buf = store.create(spec, self.capacity, name=self.name, meta=meta, priorities=True,
-                               overcommit=True,
+                               overcommit=True, compress=compress,
                                handle_signals=None if not self.keep_created else False)
         except SegmentExistsError:
             return self.attached(who)
@@ -285,7 +337,7 @@ class View:
     @classmethod
     def _located(cls, buf, logged: int, eps) -> View:
         """A view of the index entries ``eps`` that are still held (each located)."""
-        finder, ring, views = buf._parts.finder, buf._parts.ring, buf._parts.views
+        finder, ring = buf._parts.finder, buf._parts.ring
         found = []
         for k in range(len(eps.index)):
             start = int(ring.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
@@ -295,7 +347,7 @@ class View:
                 continue
             found.append((int(eps.index[k]), w.rows[0], w.chunks[0], w.seqs[0]))
         # The newest clear() mark hides itself and everything that ended before it.
-        marks = [n for n, f in enumerate(found) if len(f[1]) == 1 and views["mark"][f[1][0]]]
+        marks = _marks(buf, found)
         if marks:
             found = found[marks[-1] + 1:]
         hops = max([len(f[2]) for f in found], default=1)
@@ -384,8 +436,27 @@ class View:
         return ep, flat - starts[ep]
 
     def gather(self, col: str, positions: np.ndarray) -> np.ndarray:
-        """Store column ``col`` at flat positions (any shape), copied."""
-        return np.take(self.buf._parts.views[col], self.rows[positions], axis=0)
+        """Store column ``col`` at flat positions (any shape), copied (see ``take``)."""
+        return self.take([col], positions)[col]
+
+    def take(self, cols: list[str], positions: np.ndarray,
+             eps: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """Store columns ``cols`` at flat positions (any shape), copied, packed rows decoded.
+
+        ``eps``: the episode of each entry of ``positions``' first axis, where each
+        of its rows lies in one episode (clips); found per position otherwise.  As
+        every read, confirm the episodes afterwards (a recycled row reads as zeros).
+        """
+        parts = self.buf._parts
+        rows = self.rows[positions]
+        if parts.ring.unpacker is None:     # nothing is ever packed: index in place
+            return {c: np.take(parts.views[c], rows, axis=0) for c in cols}
+        if eps is None or rows.ndim != 2:   # one window per position, at its episode's hops
+            flat = np.asarray(positions).reshape(-1)
+            eps = np.searchsorted(self.offsets, flat, side="right") - 1
+            got = parts.take_rows(cols, rows.reshape(-1, 1), self.chunks[eps], self.seqs[eps])
+            return {c: v.reshape(rows.shape + v.shape[2:]) for c, v in got.items()}
+        return parts.take_rows(cols, rows, self.chunks[eps], self.seqs[eps])
 
     def confirm(self, eps: np.ndarray, who: str) -> None:
         """Raise TableChangedError if an episode of ``eps`` was recycled during a read."""
@@ -400,6 +471,19 @@ class View:
             self.confirm(np.array([ep]), "episode data")
             self._data[ep] = got
         return got
+
+
+def _marks(buf, found: list) -> list[int]:
+    """Which of the located episodes ``found`` are ``clear()`` marks (one row, ``mark`` set).
+    Read like every column (``take_rows``); the caller re-checks the episodes after."""
+    ones = [n for n, f in enumerate(found) if len(f[1]) == 1]
+    if not ones:
+        return []
+    rows = np.array([found[n][1] for n in ones], np.int64)          # (m, 1)
+    hops = (np.array([found[n][2][:1] for n in ones], np.int64),
+            np.array([found[n][3][:1] for n in ones], np.int64))
+    mark = buf._parts.take_rows(["mark"], rows, *hops)["mark"][:, 0]
+    return [n for n, m in zip(ones, mark.tolist()) if m]
 
 
 def retrying(fn, table: Table, who: str):

@@ -29,6 +29,7 @@ from stable_worldmodel.data import format as _swm_format
 from stable_worldmodel.data.dataset import Dataset
 
 from ..segment.segment import generate_name
+from ..writing.compress import Compress
 from . import _swm_codec as codec
 from . import _swm_table as table
 from ._swm_format import SCHEME, ShmDataset, ShmFormat, ShmWriter, parse
@@ -59,12 +60,16 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
     base = view.offsets[ep] + local
     obs = base[:, None] + np.arange(history_len) * frameskip
     act = base[:, None] + np.arange(history_len * frameskip)
+    store = {col: f"c{i}" for i, col in enumerate(columns)}
+    dense = [c for c in columns if c == "action"]
+    got = view.take([store[c] for c in columns if c != "action"], obs, ep)
+    if dense:
+        got.update(view.take([store["action"]], act, ep))
     out = {}
-    for i, col in enumerate(columns):
-        got = view.gather(f"c{i}", act if col == "action" else obs)
+    for col in columns:
+        out[col] = got[store[col]]
         if col == "action":
-            got = got.reshape(len(ep), history_len, -1)
-        out[col] = got
+            out[col] = out[col].reshape(len(ep), history_len, -1)
     ids = view.buf._parts.ring.prio().ids(view.rows[act])   # read with the rows, checked with them
     view.confirm(ep, who)
     return out, ids
@@ -92,9 +97,19 @@ class ReplayBuffer(Dataset):
             selectors work too.
         transform: dict-in, dict-out function applied by ``__getitem__``.
         key_filter: ``fn(episode) -> episode`` applied by ``write_episode``.
+        compress: keyword only (shmbuf's, not swm's): keep the named columns
+            of cold chunks compressed in shared memory.  A ``shmbuf.Compress``
+            naming swm columns (``Compress("pixels")``; its ``hot_steps``
+            newest steps stay raw), True (every uint8 column of two or more
+            dimensions per step: the frames, with ``Compress``'s defaults),
+            or None (default): raw.  Every read returns the same data either
+            way.  The columns are checked against the first episode.
 
     Raises:
-        ValueError: a size that is not positive.
+        ValueError: a size that is not positive; ``compress`` with
+            ``hot_steps`` above ``max_steps``.
+        TypeError: ``compress`` of another type.
+        ImportError: ``compress``'s codec library is not installed.
 
     Example:
         >>> rb = ReplayBuffer(max_steps=100_000, history_len=4)
@@ -104,14 +119,17 @@ class ReplayBuffer(Dataset):
 
     def __init__(self, max_steps: int, history_len: int = 1, frameskip: int = 1,
                  sampler: Sampler | None = None, transform: Callable[[dict], dict] | None = None,
-                 key_filter: Callable[[dict], dict] | None = None) -> None:
+                 key_filter: Callable[[dict], dict] | None = None, *,
+                 compress: Compress | bool | None = None) -> None:
         size = codec.positive
-        self._setup(size("max_steps", max_steps), size("history_len", history_len),
+        max_steps = size("max_steps", max_steps)
+        compress = table.check_compress(compress, max_steps, "ReplayBuffer")
+        self._setup(max_steps, size("history_len", history_len),
                     size("frameskip", frameskip), sampler, transform, key_filter,
-                    generate_name(), os.getpid())
+                    generate_name(), os.getpid(), compress)
 
     def _setup(self, max_steps, history_len, frameskip, sampler, transform, key_filter, name,
-               creator_pid) -> None:
+               creator_pid, compress=None) -> None:
         self.max_steps = max_steps
         self.history_len = history_len
         self.num_steps = history_len
@@ -127,7 +145,9 @@ class ReplayBuffer(Dataset):
         self._generator_pid = -1
         params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
         here = creator_pid == os.getpid()
-        self._table = table.Table(name, max_steps, params, keep_created=not here, adopt=here)
+        self._compress = compress
+        self._table = table.Table(name, max_steps, params, keep_created=not here, adopt=here,
+                                  compress=compress)
         # The constructing process removes the segment, whoever created it.
         self._finalizer = weakref.finalize(self, _close_table, self._table,
                                            creator_pid if here else None)
@@ -145,7 +165,8 @@ class ReplayBuffer(Dataset):
     def __reduce__(self):
         return _reopen_buffer, (self.name, self.max_steps, self.history_len, self.frameskip,
                                 self.sampler if self.sampler is not _uniform_sampler else None,
-                                self.transform, self.key_filter, self._creator_pid)
+                                self.transform, self.key_filter, self._creator_pid,
+                                self._compress)
 
     def __enter__(self):
         return self
@@ -381,8 +402,10 @@ class ReplayBuffer(Dataset):
             n = int(view.lengths[ep_idx])
             if not 0 <= start <= end <= n:
                 raise IndexError(f"slice [{start}:{end}] out of episode of length {n}")
-            pos = np.arange(start, end) + view.offsets[ep_idx]
-            out = {c: view.gather(f"c{i}", pos) for i, c in enumerate(self._table.columns())}
+            pos = (np.arange(start, end) + view.offsets[ep_idx])[None]
+            cols = self._table.columns()
+            got = view.take([f"c{i}" for i in range(len(cols))], pos, np.array([ep_idx]))
+            out = {c: got[f"c{i}"][0] for i, c in enumerate(cols)}
             view.confirm(np.array([ep_idx]), "ReplayBuffer")
             return out
 
@@ -437,10 +460,11 @@ def _close_table(tab: table.Table, remove_in_pid: int | None) -> None:
 
 
 def _reopen_buffer(name, max_steps, history_len, frameskip, sampler, transform, key_filter,
-                   creator_pid) -> ReplayBuffer:
+                   creator_pid, compress=None) -> ReplayBuffer:
+    # compress travels too: a collector that writes the first episode creates the segment.
     self = ReplayBuffer.__new__(ReplayBuffer)
     self._setup(max_steps, history_len, frameskip, sampler, transform, key_filter, name,
-                creator_pid)
+                creator_pid, compress)
     return self
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Callable
 
+from ..sampling.rows import take_rows as _take_rows
+
 if TYPE_CHECKING:  # annotations only
     import numpy as np
 
@@ -33,3 +35,10 @@ class StoreParts:
     random: ProcessRandom                # the buffer's random stream, one per process
     owner_pid: int                       # the owner's pid, for per-process streams
     writer: Callable[[bool], Writer]     # writer(limited): a writer; False bypasses the limit
+
+    def take_rows(self, columns, rows: np.ndarray, chunks: np.ndarray,
+                  seqs: np.ndarray) -> dict[str, np.ndarray]:
+        """``sampling.rows.take_rows`` on this store: ``{column: (B, L, ...)}`` at ``rows``
+        of windows located at ``chunks``/``seqs``, packed rows decoded.  Re-check the
+        windows (``finder.still_valid``) after it."""
+        return _take_rows(self.ring, self.views, columns, rows, chunks, seqs)
