@@ -2,6 +2,7 @@
 import multiprocessing as mp
 import os
 import pickle
+import threading
 
 import numpy as np
 import pytest
@@ -15,10 +16,17 @@ except Exception as exc:  # e.g. RuntimeError from a torchvision built for CUDA 
                 allow_module_level=True)
 
 import torch
-from helpers.swm_workers import rb_len, tagged_episode, write_tagged
+from helpers.swm_workers import (
+    frame_episode,
+    play_frames,
+    rb_len,
+    tagged_episode,
+    write_frame_episodes,
+    write_tagged,
+)
 
 import shmbuf
-from shmbuf import cli
+from shmbuf import Compress, cli
 from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler
 from shmbuf.select import AgeBuckets, Prioritized, Recency
 
@@ -225,6 +233,26 @@ def test_a_bad_sampler_result_is_a_clear_error(make, result, exc, match):
         rb.write_episode(episode(20, seed=s))
     with pytest.raises(exc, match=match):
         rb.sample(4)
+
+
+def test_the_sampler_and_the_read_see_the_same_episodes(make):
+    """Episodes that end (and evict older ones) while the sampler runs, as a collector's
+    would, leave its clip indices meaning what they meant when it counted them."""
+    rb = make(max_steps=100)
+    for e in range(3):
+        rb.write_episode(tagged_episode(0, e, 30))
+
+    def sampler(step, buffer, batch_size, history_len):
+        n = buffer.num_valid_ends(history_len)
+        if step == 0:
+            rb.write_episode(tagged_episode(1, 0, 15))   # evicts the oldest episode
+        return np.full(batch_size, n - 1)
+
+    rb.sampler = sampler
+    batch = rb.sample(2, step=0)
+    np.testing.assert_array_equal(batch["ep"], [[2], [2]])   # the last clip it counted
+    np.testing.assert_array_equal(batch["t"], [[29], [29]])
+    np.testing.assert_array_equal(rb.sample(1, step=1)["who"], [[1]])   # the newest now
 
 
 def test_recency_sampler_prefers_the_newest_steps(make):
@@ -443,3 +471,176 @@ def test_same_episodes_and_clips_as_swms_buffer(make, ops, history_len, frameski
         for i in range(len(ours)):
             a, b = ours[i], theirs[i]
             assert all(np.array_equal(a[c], b[c]) for c in b)
+
+
+# -- compressed cold chunks ---------------------------------------------------------------
+# Frames: Breakout played by a random policy (ale-py), or a rendered Breakout-like scene
+# where ale-py is missing; a step's ``tag`` names its frame and action, so every batch is
+# also checked against the ground truth.
+FRAMES = 600
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return play_frames(FRAMES)
+
+
+@pytest.fixture
+def zstd():
+    pytest.importorskip("zstandard", reason="compress= needs the compress extra's codec")
+
+
+def seeded(step, buffer, batch_size, history_len):
+    """A sampler whose draw depends only on ``step`` (and the clip count): two buffers
+    holding the same episodes draw the same clips."""
+    n = buffer.num_valid_ends(history_len)
+    return np.random.default_rng(step).integers(0, n, size=batch_size)
+
+
+def newer_half(step, buffer, batch_size, history_len):
+    n = buffer.num_valid_ends(history_len)
+    return buffer._rng().integers(n // 2, n, size=batch_size)
+
+
+def check_clips(frames, batch, frameskip=1):
+    """A sampled batch against the ground truth its ``tag`` names."""
+    tag = batch["tag"]
+    assert (np.diff(tag, axis=1) == frameskip).all()
+    assert np.array_equal(batch["pixels"], frames[tag % len(frames)])
+    dense = tag[:, :1] + np.arange(batch["action"].shape[1] * frameskip)
+    want = np.stack([dense, -dense], -1).astype(np.float32)
+    assert np.array_equal(batch["action"], want.reshape(batch["action"].shape))
+
+
+def compression(rb):
+    return rb._table.attached("test").stats().compression
+
+
+def test_a_compressing_buffer_reads_bit_identical_to_a_raw_one(make, frames, zstd):
+    raw = make(4096, history_len=3, frameskip=2, sampler=seeded)
+    packed = make(4096, history_len=3, frameskip=2, sampler=seeded,
+                  compress=Compress("pixels", hot_steps=0))
+    for e in range(12):
+        ep = frame_episode(frames, e * 150, 150)
+        ep[EPISODE_DATA_KEY] = {"score": float(e)}
+        raw.write_episode(ep)
+        packed.write_episode(ep)
+    buf = packed._table.attached("test")
+    buf.compact(timeout=60)
+    st = buf.stats().compression
+    assert st.compressed_chunks >= 20 and st.cold_raw_chunks == 0
+    assert st.raw_bytes > 10 * st.stored_bytes
+    # Their raw pages are given back: the column's own view reads zeros there (every
+    # frame has pixels), so only the packed read returns the frames.
+    view = packed._view()
+    lost = np.take(buf._parts.views["c0"], view.rows, axis=0).reshape(len(view.rows), -1)
+    assert (lost.max(axis=1) == 0).sum() >= 20 * buf.chunk_size
+    for step in range(6):
+        a, b = raw.sample(64, step=step), packed.sample(64, step=step)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+        check_clips(frames, b, frameskip=2)
+    for i in range(0, len(packed), 7):
+        a, b = raw[i], packed[i]
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    for a, b in zip(raw.episodes(), packed.episodes(), strict=True):
+        assert a.keys() == b.keys()
+        assert all(np.array_equal(np.stack(a[k]), np.stack(b[k])) for k in a
+                   if k != EPISODE_DATA_KEY)
+        assert a[EPISODE_DATA_KEY] == b[EPISODE_DATA_KEY]
+    assert packed.get_episode_data() == raw.get_episode_data()
+
+
+def test_compress_true_packs_the_frame_columns_only(make, zstd):
+    rb = make(100, compress=True)
+    rb.write_episode(episode(10))          # action, reward (float32) and pixels (uint8)
+    st = compression(rb)
+    assert st is not None and st.columns == ("c2",)
+    flat = make(100, compress=True)
+    flat.write_episode(episode(10, pixels=False))
+    assert compression(flat) is None       # no frames: nothing to compress
+
+
+@pytest.mark.parametrize("compress, exc, match", [
+    ("pixels", TypeError, "ReplayBuffer: compress must be True, False, None or a "
+                          "shmbuf.Compress, got 'pixels'"),
+    (Compress("pixels", hot_steps=101), ValueError,
+     r"ReplayBuffer: compress: hot_steps must be at most max_steps \(100\), got 101"),
+])
+def test_bad_compress_is_refused_at_construction(compress, exc, match):
+    with pytest.raises(exc, match=match):
+        ReplayBuffer(100, compress=compress)
+
+
+def test_compress_naming_an_unknown_column_is_refused_at_the_first_episode(make, zstd):
+    rb = make(100, compress=Compress(["pixels", "rgb"]))
+    with pytest.raises(ValueError, match="compress: columns names 'rgb', which is not a column "
+                       r"of the episodes; their columns are \['action', 'pixels', 'reward'\]"):
+        rb.write_episode(episode(5))
+    assert not os.path.exists(os.path.join(SHM, rb.name)) and rb.num_episodes == 0
+
+
+@pytest.mark.slow
+def test_dataloader_workers_decode_cold_chunks(make, frames, zstd):
+    raw = make(2048, history_len=3)
+    packed = make(2048, history_len=3, compress=Compress("pixels", hot_steps=0))
+    for e in range(8):
+        raw.write_episode(frame_episode(frames, e * 100, 100))
+        packed.write_episode(frame_episode(frames, e * 100, 100))
+    packed._table.attached("test").compact(timeout=60)
+    assert compression(packed).compressed_chunks >= 20
+    # Spawned workers attach by name: the compressed blocks are read from shared memory.
+    loader = torch.utils.data.DataLoader(packed, batch_size=64, num_workers=2, timeout=60,
+                                         multiprocessing_context="spawn")
+    got = {k: torch.cat([b[k] for b in loader]) for k in ("pixels", "tag", "action")}
+    want = [raw[i] for i in range(len(raw))]
+    for k in got:
+        assert torch.equal(got[k], torch.as_tensor(np.stack([w[k] for w in want])))
+    check_clips(frames, {k: v.numpy() for k, v in got.items()})
+
+
+@pytest.mark.slow
+def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frames, zstd):
+    """A collector process wraps the buffer three times over, into chunks packed before;
+    a thread compacts all along, so the sampler races with the packing of the chunks it
+    reads; every batch matches the ground truth.
+
+    The clips come from the newer half: a writer this fast (no env to step) recycles the
+    oldest episodes within a read, and a whole batch is drawn again each time (up to 8)."""
+    rb = make(8192, history_len=4, sampler=newer_half,
+              compress=Compress("pixels", hot_steps=256))
+    rb.write_episode(frame_episode(frames, 0, 100))     # made here: this process compresses
+    buf = rb._table.attached("test")
+    stop, packed = threading.Event(), []
+
+    def compacting():
+        while not stop.is_set():
+            packed.append(buf.compact(timeout=60))
+
+    proc = mp.get_context("fork").Process(target=write_frame_episodes,
+                                          args=(rb, frames, 100, 250, 100))
+    packer = threading.Thread(target=compacting)
+    batches = packed_seen = 0
+    try:
+        proc.start()
+        packer.start()
+        while proc.exitcode is None and batches < 20_000:
+            packed_seen += compression(rb).compressed_chunks > 0
+            check_clips(frames, rb.sample(32))
+            batches += 1
+        proc.join(timeout=120)
+        assert proc.exitcode == 0
+    finally:
+        stop.set()
+        packer.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=10)
+    assert not packer.is_alive() and sum(packed) > 0
+    assert packed_seen > 0
+    assert rb.num_steps_stored > 7000
+    buf.compact(timeout=60)
+    assert compression(rb).compressed_chunks > 0
+    for _ in range(20):
+        check_clips(frames, rb.sample(64))
+    newest = list(rb.episodes())[-1]
+    assert newest["tag"][-1] == 100 + 250 * 100 - 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -143,6 +144,9 @@ class ReplayBuffer(Dataset):
         self.last_ids: np.ndarray | None = None   # step ids of the last sample (update_priorities)
         self._generator: np.random.Generator | None = None
         self._generator_pid = -1
+        # The view a sample call's sampler sees (this thread's): its clip indices are
+        # resolved in the same view, whatever episodes arrive or go meanwhile.
+        self._pinned = threading.local()
         params = {"max_steps": max_steps, "history_len": history_len, "frameskip": frameskip}
         here = creator_pid == os.getpid()
         self._compress = compress
@@ -233,7 +237,8 @@ class ReplayBuffer(Dataset):
 
     # -- what is held ---------------------------------------------------------------------
     def _view(self) -> table.View:
-        return self._table.view("ReplayBuffer")
+        pinned = getattr(self._pinned, "view", None)
+        return pinned if pinned is not None else self._table.view("ReplayBuffer")
 
     @property
     def column_names(self) -> list[str]:
@@ -318,6 +323,13 @@ class ReplayBuffer(Dataset):
             step, self._sample_step = self._sample_step, self._sample_step + 1
 
         def draw(view: table.View) -> dict[str, np.ndarray]:
+            self._pinned.view = view
+            try:
+                return pinned(view)
+            finally:
+                self._pinned.view = None
+
+        def pinned(view: table.View) -> dict[str, np.ndarray]:
             flat = np.asarray(self.sampler(int(step), self, batch_size, h))
             if flat.shape != (batch_size,):
                 raise ValueError(f"ReplayBuffer.sample: sampler returned shape {flat.shape}, "
@@ -325,7 +337,6 @@ class ReplayBuffer(Dataset):
             if flat.size and flat.dtype.kind not in "iu":
                 raise ValueError(f"ReplayBuffer.sample: sampler returned {flat.dtype} values; "
                                  "expected integer clip indices")
-            view = self._view()  # the sampler may have refreshed it
             ep, local = view.to_clips(flat.astype(np.int64, copy=False), h * self.frameskip,
                                       "ReplayBuffer")
             got, self.last_ids = _gather_clips(view, self._table.columns(), ep, local, h,

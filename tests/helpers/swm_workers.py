@@ -35,3 +35,72 @@ def write_shm_dataset(path: str, episodes: int, steps: int) -> None:
 
 def rb_len(rb) -> int:
     return len(rb)
+
+
+def play_frames(steps: int, seed: int = 1) -> np.ndarray:
+    """``(steps, 64, 64, 3)`` uint8 frames: Breakout played by a random policy (ale-py's
+    wheel ships the ROM), or, where ale-py is not installed, a rendered Breakout-like
+    scene (bricks, a moving ball and paddle): either compresses well in chunks."""
+    try:
+        import ale_py
+        import gymnasium as gym
+        from PIL import Image
+    except ImportError:
+        return _rendered_frames(steps, seed)
+    gym.register_envs(ale_py)
+    env = gym.make("ALE/Breakout-v5", obs_type="rgb")
+    rng = np.random.default_rng(seed)
+    out = np.empty((steps, 64, 64, 3), np.uint8)
+    obs, _ = env.reset(seed=seed)
+    try:
+        for i in range(steps):
+            out[i] = np.asarray(Image.fromarray(obs).resize((64, 64), Image.BOX))
+            obs, _, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
+            if term or trunc:
+                obs, _ = env.reset()
+    finally:
+        env.close()
+    return out
+
+
+def _rendered_frames(steps: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    out = np.zeros((steps, 64, 64, 3), np.uint8)
+    colors = rng.integers(60, 256, (6, 3), dtype=np.uint8)
+    bricks = np.ones((6, 16), np.bool_)
+    x, y, dx, dy, paddle = 30.0, 40.0, 1.3, -1.1, 28
+    for i in range(steps):
+        f = out[i]
+        for r in range(6):
+            for c in np.flatnonzero(bricks[r]):
+                f[8 + 3 * r:10 + 3 * r, 4 * c:4 * c + 3] = colors[r]
+        x, y = x + dx, y + dy
+        if not 0 <= x <= 62:
+            dx, x = -dx, min(max(x, 0), 62)
+        if y <= 8 + 18 and bricks[int(max(0, y - 8)) // 3 % 6, int(x) // 4 % 16]:
+            bricks[int(max(0, y - 8)) // 3 % 6, int(x) // 4 % 16] = False
+            dy = -dy
+        if not 2 <= y <= 58:
+            dy, y = -dy, min(max(y, 2), 58)
+        paddle = int(min(max(paddle + rng.integers(-2, 3), 0), 56))
+        f[60:62, paddle:paddle + 8] = 200
+        f[int(y):int(y) + 2, int(x):int(x) + 2] = 255
+        if not bricks.any():
+            bricks[:] = True
+    return out
+
+
+def frame_episode(frames: np.ndarray, start: int, steps: int) -> dict:
+    """Steps ``start ..`` of the frame stream: ``pixels`` ``frames[tag % len]``, ``tag``
+    the step's number, ``action`` made from it (every value checkable from ``tag``)."""
+    tag = np.arange(start, start + steps, dtype=np.int64)
+    return {"pixels": frames[tag % len(frames)],
+            "action": np.stack([tag, -tag], 1).astype(np.float32),
+            "tag": tag}
+
+
+def write_frame_episodes(rb, frames: np.ndarray, first: int, episodes: int,
+                         steps: int) -> None:
+    """Collector process: ``episodes`` frame episodes, tags from ``first`` on."""
+    for e in range(episodes):
+        rb.write_episode(frame_episode(frames, first + e * steps, steps))
