@@ -15,12 +15,12 @@ except Exception as exc:  # e.g. RuntimeError from a torchvision built for CUDA 
 import h5py
 import torch
 from helpers.swm_envs import make_world, world_class
-from helpers.swm_workers import tagged_episode, write_shm_dataset
+from helpers.swm_workers import frame_episode, play_frames, tagged_episode, write_shm_dataset
 from stable_worldmodel.data import convert, load_dataset
 from stable_worldmodel.data.format import FORMATS, detect_format, get_format
 
 import shmbuf
-from shmbuf import cli
+from shmbuf import Compress, cli
 from shmbuf.compat.swm import (
     EPISODE_DATA_KEY,
     ReplayBuffer,
@@ -288,6 +288,52 @@ def test_episode_data_and_text_survive_the_format(shm_name):
     assert ds.episode_column_names == ["model_xml", "idx"]
     assert ds.get_episode_data()["model_xml"] == ["<scene 0/>", "<scene 1/>"]
     assert ds.load_episode(1)["lang"] == "push the T to goal 1"
+
+
+def test_a_compressing_table_is_compacted_by_its_writer_and_reads_like_a_raw_one(shm_name):
+    pytest.importorskip("zstandard", reason="compress= needs the compress extra's codec")
+    frames = play_frames(400)   # Breakout (ale-py), or a rendered Breakout-like scene
+    eps = [frame_episode(frames, e * 100, 100) for e in range(8)]
+    raw, packed = f"shm://{shm_name('raw')}", f"shm://{shm_name('packed')}"
+    with ShmFormat.open_writer(raw, max_steps=2048) as w:
+        w.write_episodes(eps)
+    # As convert(..., dest_format="shmbuf", compress=...) and dump(..., compress=...) pass it.
+    with ShmFormat.open_writer(packed, max_steps=2048,
+                               compress=Compress("pixels", hot_steps=0)) as w:
+        w.write_episodes(eps)
+    look = shmbuf.attach(packed[len("shm://"):])
+    try:   # no process owns the table now: its writer compacted it before letting go
+        st = look.stats().compression
+        assert st.compressed_chunks > 0 and st.cold_raw_chunks == 0
+        assert st.raw_bytes > 10 * st.stored_bytes
+    finally:
+        look.close()
+    a, b = load_dataset(raw, num_steps=3), load_dataset(packed, num_steps=3)
+    try:
+        assert len(a) == len(b) == 8 * 98
+        for i in range(0, len(a), 5):
+            x, y = a[i], b[i]
+            assert all(torch.equal(x[k], y[k]) for k in x)
+        for col in ("pixels", "action", "tag"):
+            assert np.array_equal(a.get_col_data(col), b.get_col_data(col))
+        assert np.array_equal(b.get_col_data("pixels"), frames[b.get_col_data("tag") % 400])
+        rows = np.array([[3, 150], [799, 0]])
+        x, y = a.get_row_data(rows), b.get_row_data(rows)
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bad_compress_for_the_writer_is_refused(shm_name):
+    path = f"shm://{shm_name()}"
+    with pytest.raises(TypeError, match="ShmWriter: compress must be True, False, None or a "
+                       "shmbuf.Compress, got 'pixels'"):
+        ShmFormat.open_writer(path, compress="pixels")
+    with pytest.raises(ValueError, match=r"ShmWriter: compress: hot_steps must be at most "
+                       r"max_steps \(10\), got 11"):
+        ShmFormat.open_writer(path, max_steps=10, compress=Compress("pixels", hot_steps=11))
+    assert not os.path.exists(os.path.join(SHM, path[len("shm://"):]))
 
 
 # -- sharing: pickles to the name, outlives its writer, removable -----------------------

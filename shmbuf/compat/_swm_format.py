@@ -274,6 +274,7 @@ class ShmWriter:
                 # owner's compressor (this writer's, if it made the table) may never run
                 # again, so the cold chunks are compressed now (0 when it keeps none).
                 if exc_type is None and tab.buf is not None:
+                    tab.close_writer()     # seals its last chunk, which compact then takes
                     tab.buf.compact()
             finally:
                 tab.close(remove_segment=False)

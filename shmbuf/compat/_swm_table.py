@@ -270,10 +270,14 @@ class Table:
         self._view = None
         return mine
 
-    def close(self, remove_segment: bool) -> None:
+    def close_writer(self) -> None:
+        """Close this process's writer: its open chunk is sealed (``compact`` can take it)."""
         writer, self._writer = self._writer, None
         if writer is not None and getattr(self, "_writer_pid", None) == os.getpid():
             writer.close()
+
+    def close(self, remove_segment: bool) -> None:
+        self.close_writer()
         buf, self.buf = self.buf, None
         self._view = None
         if buf is not None:
