@@ -30,6 +30,19 @@ baseline in this process, rounds alternated, median of ``--rounds``:
    side's CPU seconds over wall seconds: below 1.0, the writers waited for a
    core (a machine busy with other work cannot show the scaling).
 
+4. Compressed: ``ReplayBuffer(..., compress=Compress("pixels"))`` holding
+   ``--episodes`` episodes of real Atari frames (Breakout, then MsPacman, played
+   by a random policy: ``_atari``, ale-py) against an uncompressed
+   ``ReplayBuffer`` holding the same episodes, rounds alternated:
+   ``sample(64, history_len=4)`` ms per call with every window in hot chunks
+   (``hot_steps`` = the capacity: nothing is ever compressed) and with every
+   sealed chunk compressed (``hot_steps=0``, then ``compact()``); and the
+   ``pixels`` column's raw bytes over the bytes its compressed blocks hold in
+   /dev/shm (``stats().compression.ratio``).
+   Skipped (and said so) where ale-py or zstandard is missing.
+
+``--parts loader,sample,writers,compressed`` runs those sections alone.
+
 It never asserts: it prints the table and writes the JSON.
 """
 from __future__ import annotations
@@ -57,6 +70,7 @@ from shmbuf.compat import _swm_table
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "bench_swm.json"
+PARTS = ("loader", "sample", "writers", "compressed")
 
 
 def episode(n: int, seed: int) -> dict:
@@ -182,6 +196,69 @@ def sample_part(eps: list, rounds: int, calls: int) -> dict:
             "ratio": statistics.median(times["shmbuf"]) / statistics.median(times["swm"])}
 
 
+def atari_episodes(episodes: int, steps: int) -> list:
+    """``episodes`` episodes of ``steps`` real frames (64, 64, 3): Breakout, then MsPacman."""
+    sys.path.insert(0, str(HERE))
+    import _atari
+
+    half = episodes * steps // 2
+    frames = np.concatenate([_atari.play("Breakout", half, seed=1)[0],
+                             _atari.play("MsPacman", episodes * steps - half, seed=2)[0]])
+    frames = np.ascontiguousarray(frames.transpose(0, 2, 3, 1))   # swm's frames are HWC
+    eps = []
+    for e in range(episodes):
+        ep = episode(steps, 10_000 + e)
+        ep["pixels"] = frames[e * steps:(e + 1) * steps]
+        eps.append(ep)
+    return eps
+
+
+def compressed_part(episodes: int, steps: int, rounds: int, calls: int) -> dict:
+    """Section 4: sample times of compressing ReplayBuffers, hot and cold, against raw."""
+    try:
+        import zstandard  # noqa: F401
+
+        eps = atari_episodes(episodes, steps)
+    except ImportError as exc:
+        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    cap = episodes * steps
+    made = {"raw": cs.ReplayBuffer(max_steps=cap, history_len=4),
+            # hot_steps = the capacity: no chunk is ever cold, every read is raw
+            "hot": cs.ReplayBuffer(max_steps=cap, history_len=4,
+                                   compress=shmbuf.Compress("pixels", hot_steps=cap)),
+            # hot_steps = 0 and compact(): every sealed chunk compressed
+            "cold": cs.ReplayBuffer(max_steps=cap, history_len=4,
+                                    compress=shmbuf.Compress("pixels", hot_steps=0))}
+    out: dict = {}
+    try:
+        for ep in eps:
+            for rb in made.values():
+                rb.write_episode(ep)
+        cold = made["cold"]._table.attached("bench")
+        cold.compact(timeout=600)
+        c = cold.stats().compression
+        out.update(packed_chunks=c.compressed_chunks, raw_chunks=c.raw_chunks,
+                   raw_bytes=c.raw_bytes, stored_bytes=c.stored_bytes, ratio=c.ratio,
+                   hot_packed_chunks=made["hot"]._table.attached("bench").stats()
+                   .compression.compressed_chunks)
+        times: dict[str, list] = {k: [] for k in made}
+        for _ in range(rounds):
+            for key, rb in made.items():
+                rb.sample(64)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    rb.sample(64, history_len=4)
+                times[key].append((time.perf_counter() - t) / calls * 1e3)
+        med = statistics.median
+        for key in ("hot", "cold"):
+            out[key] = {"compressed_ms": times[key], "raw_ms": times["raw"],
+                        "ratio": med(times[key]) / med(times["raw"])}
+    finally:
+        for rb in made.values():
+            rb.close()
+    return out
+
+
 def _writer(rb, seed: int, episodes: int, steps: int, go, out) -> None:
     eps = [episode(steps, seed * 1000 + i) for i in range(episodes)]
     rb.write_episode(eps[-1])   # attached, a writer slot claimed, the pages mapped: untimed
@@ -246,37 +323,67 @@ def main(argv=None) -> int:
     p.add_argument("--write-episodes", type=int, default=40)
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--parts", default=",".join(PARTS),
+                   help=f"sections to run, separated by commas (default: {','.join(PARTS)})")
     args = p.parse_args(argv)
+    parts = args.parts.split(",")
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        p.error(f"--parts: unknown {unknown}; choose from {list(PARTS)}")
     warnings.filterwarnings("ignore", message="This DataLoader will create")
     eps = [episode(args.steps, s) for s in range(args.episodes)]
     name = f"shmbuf-bench-swm-{os.getpid()}"
-    try:
-        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-            loader = loader_part(Path(tmp), name, eps, args.rounds, args.batches)
-    finally:
-        _swm_table.remove(name)
-    sample = sample_part(eps, args.rounds, args.calls)
-    writers = writer_part(args.rounds, args.write_episodes, args.steps)
+    loader = sample = writers = compressed = None
+    if "loader" in parts:
+        try:
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                loader = loader_part(Path(tmp), name, eps, args.rounds, args.batches)
+        finally:
+            _swm_table.remove(name)
+    if "sample" in parts:
+        sample = sample_part(eps, args.rounds, args.calls)
+    if "writers" in parts:
+        writers = writer_part(args.rounds, args.write_episodes, args.steps)
+    if "compressed" in parts:
+        compressed = compressed_part(args.episodes, args.steps, args.rounds, args.calls)
     med = statistics.median
     print(f"{'measurement':<44} {'shmbuf':>10} {'baseline':>10} {'ratio':>7} {'target':>8}")
-    print(f"{'DataLoader(2 workers) clips/s vs HDF5':<44} {med(loader['shm_clips_s']):10.0f} "
-          f"{med(loader['hdf5_clips_s']):10.0f} {loader['ratio']:6.2f}x {'>= 3x':>8}")
-    print(f"{'  total Pss - empty, / data (MiB)':<44} "
-          f"{(loader['pss_shm'] - loader['pss_empty']) / 2**20:10.0f} "
-          f"{loader['data_bytes'] / 2**20:10.0f} {loader['pss_ratio']:6.2f}x {'<= 1.1x':>8}")
-    print(f"{'  Pss of the segment mappings, / data (MiB)':<44} "
-          f"{loader['pss_segment'] / 2**20:10.0f} "
-          f"{loader['data_bytes'] / 2**20:10.0f} {loader['segment_ratio']:6.2f}x")
-    print(f"{'ReplayBuffer.sample(64, 4) ms vs swm':<44} {med(sample['shmbuf_ms']):10.2f} "
-          f"{med(sample['swm_ms']):10.2f} {sample['ratio']:6.2f}x {'<= 1.2x':>8}")
-    print(f"{'write_episode steps/s, 2 procs vs 1':<44} {med(writers['two_steps_s']):10.0f} "
-          f"{med(writers['one_steps_s']):10.0f} {writers['ratio']:6.2f}x {'>= 1.7x':>8}")
-    print(f"{'  writers: CPU s / wall s (1.00: a core each)':<44} "
-          f"{med(writers['two_cpu_share']):10.2f} {med(writers['one_cpu_share']):10.2f}")
-    print(f"{'  steps per writer CPU second, 2 procs vs 1':<44} {'':>10} {'':>10} "
-          f"{writers['per_cpu_ratio']:6.2f}x")
+    if loader is not None:
+        print(f"{'DataLoader(2 workers) clips/s vs HDF5':<44} "
+              f"{med(loader['shm_clips_s']):10.0f} "
+              f"{med(loader['hdf5_clips_s']):10.0f} {loader['ratio']:6.2f}x {'>= 3x':>8}")
+        print(f"{'  total Pss - empty, / data (MiB)':<44} "
+              f"{(loader['pss_shm'] - loader['pss_empty']) / 2**20:10.0f} "
+              f"{loader['data_bytes'] / 2**20:10.0f} {loader['pss_ratio']:6.2f}x "
+              f"{'<= 1.1x':>8}")
+        print(f"{'  Pss of the segment mappings, / data (MiB)':<44} "
+              f"{loader['pss_segment'] / 2**20:10.0f} "
+              f"{loader['data_bytes'] / 2**20:10.0f} {loader['segment_ratio']:6.2f}x")
+    if sample is not None:
+        print(f"{'ReplayBuffer.sample(64, 4) ms vs swm':<44} {med(sample['shmbuf_ms']):10.2f} "
+              f"{med(sample['swm_ms']):10.2f} {sample['ratio']:6.2f}x {'<= 1.2x':>8}")
+    if writers is not None:
+        print(f"{'write_episode steps/s, 2 procs vs 1':<44} "
+              f"{med(writers['two_steps_s']):10.0f} "
+              f"{med(writers['one_steps_s']):10.0f} {writers['ratio']:6.2f}x {'>= 1.7x':>8}")
+        print(f"{'  writers: CPU s / wall s (1.00: a core each)':<44} "
+              f"{med(writers['two_cpu_share']):10.2f} {med(writers['one_cpu_share']):10.2f}")
+        print(f"{'  steps per writer CPU second, 2 procs vs 1':<44} {'':>10} {'':>10} "
+              f"{writers['per_cpu_ratio']:6.2f}x")
+    if compressed is not None and "skipped" in compressed:
+        print(f"compressed section skipped: {compressed['skipped']}")
+    elif compressed is not None:
+        for key, label in (("hot", "hot"), ("cold", "cold")):
+            r = compressed[key]
+            print(f"{'sample(64, 4) ms, compress= vs raw, ' + label:<44} "
+                  f"{med(r['compressed_ms']):10.2f} {med(r['raw_ms']):10.2f} "
+                  f"{r['ratio']:6.2f}x")
+        print(f"{'  pixels of cold chunks: compressed vs raw MiB':<44} "
+              f"{compressed['stored_bytes'] / 2**20:10.1f} "
+              f"{compressed['raw_bytes'] / 2**20:10.1f} {compressed['ratio']:6.0f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"loader": loader, "sample": sample, "writers": writers,
+                                     "compressed": compressed,
                                      "episodes": args.episodes, "steps": args.steps,
                                      "cpus": os.cpu_count(), "python": sys.version.split()[0],
                                      "shmbuf": shmbuf.__version__}, indent=1))
