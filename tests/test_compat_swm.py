@@ -525,8 +525,9 @@ def test_a_compressing_buffer_reads_bit_identical_to_a_raw_one(make, frames, zst
         ep[EPISODE_DATA_KEY] = {"score": float(e)}
         raw.write_episode(ep)
         packed.write_episode(ep)
+    packed.compact(timeout=60)   # what the owner's thread has not compressed yet
+    assert raw.compact() == 0
     buf = packed._table.attached("test")
-    buf.compact(timeout=60)
     st = buf.stats().compression
     assert st.compressed_chunks >= 20 and st.cold_raw_chunks == 0
     assert st.raw_bytes > 10 * st.stored_bytes
@@ -552,6 +553,7 @@ def test_a_compressing_buffer_reads_bit_identical_to_a_raw_one(make, frames, zst
 
 def test_compress_true_packs_the_frame_columns_only(make, zstd):
     rb = make(100, compress=True)
+    assert rb.compact() == 0               # no segment yet
     rb.write_episode(episode(10))          # action, reward (float32) and pixels (uint8)
     st = compression(rb)
     assert st is not None and st.columns == ("c2",)
@@ -586,7 +588,7 @@ def test_dataloader_workers_decode_cold_chunks(make, frames, zstd):
     for e in range(8):
         raw.write_episode(frame_episode(frames, e * 100, 100))
         packed.write_episode(frame_episode(frames, e * 100, 100))
-    packed._table.attached("test").compact(timeout=60)
+    packed.compact(timeout=60)
     assert compression(packed).compressed_chunks >= 20
     # Spawned workers attach by name: the compressed blocks are read from shared memory.
     loader = torch.utils.data.DataLoader(packed, batch_size=64, num_workers=2, timeout=60,
@@ -638,7 +640,7 @@ def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frame
     assert not packer.is_alive() and sum(packed) > 0
     assert packed_seen > 0
     assert rb.num_steps_stored > 7000
-    buf.compact(timeout=60)
+    rb.compact(timeout=60)
     assert compression(rb).compressed_chunks > 0
     for _ in range(20):
         check_clips(frames, rb.sample(64))

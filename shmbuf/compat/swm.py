@@ -62,10 +62,12 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
     obs = base[:, None] + np.arange(history_len) * frameskip
     act = base[:, None] + np.arange(history_len * frameskip)
     store = {col: f"c{i}" for i, col in enumerate(columns)}
-    dense = [c for c in columns if c == "action"]
-    got = view.take([store[c] for c in columns if c != "action"], obs, ep)
-    if dense:
-        got.update(view.take([store["action"]], act, ep))
+    if frameskip == 1:   # the same rows: one read (one packed-chunk check)
+        got = view.take(list(store.values()), obs, ep)
+    else:
+        got = view.take([store[c] for c in columns if c != "action"], obs, ep)
+        if "action" in store:
+            got.update(view.take([store["action"]], act, ep))
     out = {}
     for col in columns:
         out[col] = got[store[col]]
@@ -234,6 +236,29 @@ class ReplayBuffer(Dataset):
             >>> rb.clear(); rb.num_episodes   # 0, here and in every worker
         """
         self._table.clear()
+
+    def compact(self, timeout: float | None = None) -> int:
+        """Compress every cold chunk of a ``compress=`` buffer now, in this process
+        (shmbuf's, not swm's): ``shmbuf.Buffer.compact`` on the shared segment.
+
+        Args:
+            timeout: seconds to wait (None: as long as it takes).
+
+        Returns:
+            How many chunks it compressed; 0 without ``compress=`` or before the
+            first episode.
+
+        Raises:
+            TimeoutError: chunks were still to compress after ``timeout``.
+            SharedMemoryFullError: /dev/shm could not hold a compressed block
+                (that chunk stays raw, and nothing is lost).
+
+        Example:
+            >>> rb = ReplayBuffer(100_000, compress=shmbuf.Compress("pixels"))
+            >>> rb.write_episodes(episodes); rb.compact()
+        """
+        buf = self._table.attached("ReplayBuffer.compact")
+        return 0 if buf is None else buf.compact(timeout)
 
     # -- what is held ---------------------------------------------------------------------
     def _view(self) -> table.View:
