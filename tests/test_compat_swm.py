@@ -601,6 +601,40 @@ def test_dataloader_workers_decode_cold_chunks(make, frames, zstd):
 
 
 @pytest.mark.slow
+def test_compress_travels_to_a_spawned_collector_that_makes_the_segment(frames, zstd):
+    """The settings pickle with the buffer: the segment the collector creates compresses,
+    and compression goes on in the constructing process once it adopts the segment."""
+    rb = ReplayBuffer(4096, history_len=2, compress=Compress("pixels", hot_steps=0))
+    try:
+        p = mp.get_context("spawn").Process(target=write_frame_episodes,
+                                            args=(rb, frames, 0, 6, 100))
+        try:
+            p.start()
+            p.join(timeout=120)
+            assert p.exitcode == 0
+        finally:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        assert rb.num_episodes == 6                     # the collector exited: adopted now
+        look = shmbuf.attach(rb.name)
+        assert look.stats().owner_pid == os.getpid()
+        look.close()
+        for e in range(6, 12):                           # more chunks to compress, here
+            rb.write_episode(frame_episode(frames, e * 100, 100))
+        rb.compact(timeout=60)
+        st = compression(rb)
+        assert (st.columns, st.hot_steps, st.cold_raw_chunks) == (("c0",), 0, 0)
+        assert st.compressed_chunks >= 1100 // rb._table.buf.chunk_size
+        for step in range(4):
+            check_clips(frames, rb.sample(64, step=step))
+        assert [int(ep["tag"][0]) for ep in rb.episodes()] == list(range(0, 1200, 100))
+    finally:
+        rb.close()
+    assert not os.path.exists(os.path.join(SHM, rb.name))
+
+
+@pytest.mark.slow
 def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frames, zstd):
     """A collector process wraps the buffer three times over, into chunks packed before;
     a thread compacts all along, so the sampler races with the packing of the chunks it
