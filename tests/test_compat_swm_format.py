@@ -290,6 +290,7 @@ def test_episode_data_and_text_survive_the_format(shm_name):
     assert ds.load_episode(1)["lang"] == "push the T to goal 1"
 
 
+@pytest.mark.slow
 def test_a_compressing_table_is_compacted_by_its_writer_and_reads_like_a_raw_one(shm_name):
     pytest.importorskip("zstandard", reason="compress= needs the compress extra's codec")
     frames = play_frames(400)   # Breakout (ale-py), or a rendered Breakout-like scene
