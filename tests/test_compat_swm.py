@@ -255,6 +255,28 @@ def test_the_sampler_and_the_read_see_the_same_episodes(make):
     np.testing.assert_array_equal(rb.sample(1, step=1)["who"], [[1]])   # the newest now
 
 
+def test_only_clips_recycled_while_read_are_drawn_again(make):
+    rb = make(max_steps=100)
+    for e in range(3):
+        rb.write_episode(tagged_episode(0, e, 30))
+    sizes = []
+
+    def sampler(step, buffer, batch_size, history_len):
+        sizes.append(batch_size)
+        n = buffer.num_valid_ends(history_len)
+        if len(sizes) == 1:
+            rb.write_episode(tagged_episode(1, 0, 15))   # recycles episode 0's first rows
+            return np.array([0, n - 1])                 # episode 0's first clip, episode 2's last
+        return np.array([n - 1])                        # now: the newest episode's last clip
+
+    rb.sampler = sampler
+    batch = rb.sample(2)
+    assert sizes == [2, 1]                      # the one recycled clip was drawn again
+    np.testing.assert_array_equal(batch["who"], [[1], [0]])
+    np.testing.assert_array_equal(batch["t"], [[14], [29]])
+    np.testing.assert_array_equal(rb.last_ids.shape, (2, 1))
+
+
 def test_recency_sampler_prefers_the_newest_steps(make):
     rb = make(max_steps=400, history_len=2, sampler=as_sampler(Recency(exponent=8.0)))
     for s in range(10):
@@ -497,11 +519,6 @@ def seeded(step, buffer, batch_size, history_len):
     return np.random.default_rng(step).integers(0, n, size=batch_size)
 
 
-def newer_half(step, buffer, batch_size, history_len):
-    n = buffer.num_valid_ends(history_len)
-    return buffer._rng().integers(n // 2, n, size=batch_size)
-
-
 def check_clips(frames, batch, frameskip=1):
     """A sampled batch against the ground truth its ``tag`` names."""
     tag = batch["tag"]
@@ -644,14 +661,13 @@ def test_compress_travels_to_a_spawned_collector_that_makes_the_segment(frames, 
 
 @pytest.mark.slow
 def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frames, zstd):
-    """A collector process wraps the buffer three times over, into chunks packed before;
+    """A collector process wraps the buffer six times over, into chunks packed before;
     a thread compacts all along, so the sampler races with the packing of the chunks it
     reads; every batch matches the ground truth.
 
-    The clips come from the newer half: a writer this fast (no env to step) recycles the
-    oldest episodes within a read, and a whole batch is drawn again each time (up to 8)."""
-    rb = make(8192, history_len=4, sampler=newer_half,
-              compress=Compress("pixels", hot_steps=256))
+    A writer this fast (no env to step) recycles the oldest episodes within a read: those
+    clips are drawn again."""
+    rb = make(4096, history_len=4, compress=Compress("pixels", hot_steps=256))
     rb.write_episode(frame_episode(frames, 0, 100))     # made here: this process compresses
     buf = rb._table.attached("test")
     stop, packed = threading.Event(), []
@@ -681,7 +697,7 @@ def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frame
             proc.join(timeout=10)
     assert not packer.is_alive() and sum(packed) > 0
     assert packed_seen > 0
-    assert rb.num_steps_stored > 8192 // 2   # wrapped, and well filled
+    assert rb.num_steps_stored > 4096 // 2   # wrapped, and well filled
     rb.compact(timeout=60)
     assert compression(rb).compressed_chunks > 0
     for _ in range(20):

@@ -41,7 +41,7 @@ from ..writing.compress import Compress
 from . import _swm_codec as codec
 
 FACADE = "swm"
-_RETRIES = 8
+RETRIES = 8   # reads again after a recycled episode, before giving up
 
 
 class TableChangedError(RuntimeError):
@@ -409,6 +409,11 @@ class View:
                     np.ascontiguousarray(self.seqs[eps]))
         return self.buf._parts.finder.still_valid(w)
 
+    def still_held(self, eps: np.ndarray) -> np.ndarray:
+        """Per entry of ``eps`` (episodes, repeats allowed): its chunks were not recycled."""
+        unique, inverse = np.unique(eps, return_inverse=True)
+        return self.check_episodes(unique)[inverse.reshape(-1)]
+
     def valid(self) -> bool:
         """The cached view's oldest episode is still whole (a cheap freshness check)."""
         return not len(self.index) or bool(self.check_episodes(np.array([0]))[0])
@@ -492,7 +497,7 @@ def _marks(buf, found: list) -> list[int]:
 
 def retrying(fn, table: Table, who: str):
     """``fn(view)`` with a fresh view after each TableChangedError (a few times)."""
-    for _ in range(_RETRIES):
+    for _ in range(RETRIES):
         try:
             return fn(table.view(who))
         except TableChangedError:

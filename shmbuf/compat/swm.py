@@ -54,10 +54,10 @@ def _uniform_sampler(step: int, buffer: ReplayBuffer, batch_size: int,
 
 
 def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: np.ndarray,
-                  history_len: int, frameskip: int,
-                  who: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+                  history_len: int, frameskip: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """Clips ``(len(ep), history_len, ...)`` (observations strided, ``action`` dense), and
-    the ``(len(ep), history_len * frameskip)`` step ids they cover."""
+    the ``(len(ep), history_len * frameskip)`` step ids they cover.  Re-check the
+    episodes ``ep`` afterwards: a clip of an episode recycled meanwhile is garbage."""
     base = view.offsets[ep] + local
     obs = base[:, None] + np.arange(history_len) * frameskip
     act = base[:, None] + np.arange(history_len * frameskip)
@@ -74,7 +74,6 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
         if col == "action":
             out[col] = out[col].reshape(len(ep), history_len, -1)
     ids = view.buf._parts.ring.prio().ids(view.rows[act])   # read with the rows, checked with them
-    view.confirm(ep, who)
     return out, ids
 
 
@@ -327,13 +326,17 @@ class ReplayBuffer(Dataset):
             numpy arrays, observations ``(B, history_len, ...)`` (frames HWC as
             written) and ``action`` ``(B, history_len, frameskip * action_dim)``;
             ``transform`` is not applied (as swm).  ``last_ids`` then holds the
-            clips' step ids.
+            clips' step ids.  A clip whose episode a writer recycled while it
+            was read is drawn again: the sampler is called once more for just
+            those clips (``batch_size`` the number of them), in the episodes
+            held then.
 
         Raises:
             ValueError: a size that is not positive, or a sampler result of
                 another shape than ``(batch_size,)``.
             IndexError: a sampler index outside ``[0, num_valid_ends)``.
-            RuntimeError: no clip of that length is held (default sampler).
+            RuntimeError: no clip of that length is held (default sampler);
+                clips still recycled after 9 draws.
 
         Example:
             >>> batch = rb.sample(64, history_len=4)
@@ -347,28 +350,50 @@ class ReplayBuffer(Dataset):
         if step is None:
             step, self._sample_step = self._sample_step, self._sample_step + 1
 
-        def draw(view: table.View) -> dict[str, np.ndarray]:
-            self._pinned.view = view
-            try:
-                return pinned(view)
-            finally:
-                self._pinned.view = None
+        who = "ReplayBuffer.sample"
+        need = np.arange(batch_size)   # the batch rows still to fill
+        out: dict[str, np.ndarray] = {}
+        ids = np.empty(0, np.int64)
+        for _ in range(table.RETRIES + 1):
+            view = self._table.view("ReplayBuffer")
+            flat = self._draw_clips(view, int(step), len(need), h)
+            ep, local = view.to_clips(flat, h * self.frameskip, "ReplayBuffer")
+            got, got_ids = _gather_clips(view, self._table.columns(), ep, local, h,
+                                         self.frameskip)
+            ok = view.still_held(ep)       # after the copy: drop clips recycled meanwhile
+            if len(need) == batch_size and ok.all():   # the common case: one draw
+                self.last_ids = got_ids
+                return got
+            if not out:
+                out = {k: np.empty((batch_size,) + v.shape[1:], v.dtype) for k, v in got.items()}
+                ids = np.empty((batch_size,) + got_ids.shape[1:], got_ids.dtype)
+            for k, v in got.items():
+                out[k][need[ok]] = v[ok]
+            ids[need[ok]] = got_ids[ok]
+            need = need[~ok]
+            if not len(need):
+                self.last_ids = ids
+                return out
+            self._table._view = None     # rebuilt without the recycled episodes
+        raise table.TableChangedError(
+            f"{who}: episodes were recycled while they were read, {table.RETRIES + 1} times "
+            "running; the writers refill the buffer faster than it is read")
 
-        def pinned(view: table.View) -> dict[str, np.ndarray]:
-            flat = np.asarray(self.sampler(int(step), self, batch_size, h))
-            if flat.shape != (batch_size,):
-                raise ValueError(f"ReplayBuffer.sample: sampler returned shape {flat.shape}, "
-                                 f"expected ({batch_size},)")
-            if flat.size and flat.dtype.kind not in "iu":
-                raise ValueError(f"ReplayBuffer.sample: sampler returned {flat.dtype} values; "
-                                 "expected integer clip indices")
-            ep, local = view.to_clips(flat.astype(np.int64, copy=False), h * self.frameskip,
-                                      "ReplayBuffer")
-            got, self.last_ids = _gather_clips(view, self._table.columns(), ep, local, h,
-                                               self.frameskip, "ReplayBuffer.sample")
-            return got
-
-        return table.retrying(draw, self._table, "ReplayBuffer.sample")
+    def _draw_clips(self, view: table.View, step: int, n: int, h: int) -> np.ndarray:
+        """``n`` flat clip indices from the sampler, which sees ``view`` (its clip count
+        stays the one its indices are resolved in, whatever episodes end meanwhile)."""
+        self._pinned.view = view
+        try:
+            flat = np.asarray(self.sampler(step, self, n, h))
+        finally:
+            self._pinned.view = None
+        if flat.shape != (n,):
+            raise ValueError(f"ReplayBuffer.sample: sampler returned shape {flat.shape}, "
+                             f"expected ({n},)")
+        if flat.size and flat.dtype.kind not in "iu":
+            raise ValueError(f"ReplayBuffer.sample: sampler returned {flat.dtype} values; "
+                             "expected integer clip indices")
+        return flat.astype(np.int64, copy=False)
 
     def update_priorities(self, ids, priorities) -> int:
         """Set the priority of sampled clips, from any process sharing the buffer.
@@ -425,7 +450,8 @@ class ReplayBuffer(Dataset):
                 raise IndexError(idx)
             ep, local = view.to_clips(np.array([i], np.int64), self.span, "ReplayBuffer")
             got, _ = _gather_clips(view, self._table.columns(), ep, local, self.history_len,
-                                   self.frameskip, "ReplayBuffer")
+                                   self.frameskip)
+            view.confirm(ep, "ReplayBuffer")
             return {k: v[0] for k, v in got.items()}
 
         out = table.retrying(clip, self._table, "ReplayBuffer")
