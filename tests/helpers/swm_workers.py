@@ -38,29 +38,17 @@ def rb_len(rb) -> int:
 
 
 def play_frames(steps: int, seed: int = 1) -> np.ndarray:
-    """``(steps, 64, 64, 3)`` uint8 frames: Breakout played by a random policy (ale-py's
-    wheel ships the ROM), or, where ale-py is not installed, a rendered Breakout-like
-    scene (bricks, a moving ball and paddle): either compresses well in chunks."""
+    """``(steps, 64, 64, 3)`` uint8 frames: Breakout played by a random policy
+    (``helpers.atari``), or, where ale-py is not installed (stable-worldmodel's own CI
+    environment), a rendered Breakout-like scene (bricks, a moving ball and paddle):
+    either compresses well in chunks."""
     try:
-        import ale_py
-        import gymnasium as gym
-        from PIL import Image
+        import ale_py  # noqa: F401
     except ImportError:
         return _rendered_frames(steps, seed)
-    gym.register_envs(ale_py)
-    env = gym.make("ALE/Breakout-v5", obs_type="rgb")
-    rng = np.random.default_rng(seed)
-    out = np.empty((steps, 64, 64, 3), np.uint8)
-    obs, _ = env.reset(seed=seed)
-    try:
-        for i in range(steps):
-            out[i] = np.asarray(Image.fromarray(obs).resize((64, 64), Image.BOX))
-            obs, _, term, trunc, _ = env.step(int(rng.integers(env.action_space.n)))
-            if term or trunc:
-                obs, _ = env.reset()
-    finally:
-        env.close()
-    return out
+    from helpers.atari import play
+
+    return np.ascontiguousarray(play("Breakout", steps, seed).transpose(0, 2, 3, 1))
 
 
 def _rendered_frames(steps: int, seed: int) -> np.ndarray:
