@@ -567,6 +567,10 @@ def test_a_compressing_buffer_reads_bit_identical_to_a_raw_one(make, frames, zst
                    if k != EPISODE_DATA_KEY)
         assert a[EPISODE_DATA_KEY] == b[EPISODE_DATA_KEY]
     assert packed.get_episode_data() == raw.get_episode_data()
+    packed.sampler = as_sampler(Recency())      # a selector's draw, read the same way
+    for _ in range(3):
+        check_clips(frames, packed.sample(64), frameskip=2)
+    packed.sampler = seeded
     for rb in (raw, packed):        # a clear() mark, read among compressed chunks
         rb.clear()
         rb.write_episode(frame_episode(frames, 5000, 40))
