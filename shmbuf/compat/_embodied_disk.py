@@ -105,18 +105,16 @@ def _copy(replay, segments: list, lo_pos: int, hi_pos: int, stream: int) -> dict
     picked = np.concatenate(parts)
     if not (arrays["stream"][picked] == stream).all():
         return None
-    unpack = replay.buffer._parts.ring.unpacker
-    if unpack is None:
+    parts = replay.buffer._parts
+    if parts.ring.unpacker is None:
         return {key: arrays[replay._columns[key]][picked] for key, _, _ in replay._keys}
-    # Compressed chunks: through the store's packed reader, at each chunk's seq now (the
+    # Compressed chunks: through the store's packed read, at each chunk's seq now (the
     # caller's re-check after the copy rejects a chunk recycled since it listed them).
-    ring = replay.buffer._parts.ring
-    with unpack.reading():
-        chunk = picked // ring.layout.chunk_size
-        seq = (ring.chunk_states()[0][chunk] >> np.uint64(32)).astype(np.int64)
-        flags = unpack.flags(picked[:, None], chunk[:, None], seq[:, None])
-        return {key: unpack.take(replay._columns[key], arrays[replay._columns[key]],
-                                 picked[:, None], flags)[:, 0] for key, _, _ in replay._keys}
+    chunk = picked // parts.ring.layout.chunk_size
+    seq = (parts.ring.chunk_states()[0][chunk] >> np.uint64(32)).astype(np.int64)
+    got = parts.take_rows([replay._columns[key] for key, _, _ in replay._keys],
+                          picked[:, None], chunk[:, None], seq[:, None])
+    return {key: got[replay._columns[key]][:, 0] for key, _, _ in replay._keys}
 
 
 def load(replay, directory: Path, amount) -> None:
