@@ -31,9 +31,16 @@ from ..posix.wait import poll
 from . import _atomic as atomic
 from .layout import CHUNK_ENTRY, CHUNK_FIELDS
 
-_LOCK = threading.Lock()     # one pinner per process at a time (see the module's doc)
 PIN_WAIT = 10.0              # seconds a pinner waits for another live pinner of a chunk
+_LOCK = threading.Lock()     # one pinner per process at a time (see the module's doc)
 
+
+def _fresh_lock() -> None:   # a child forked while another thread pinned: it holds nothing
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock)
 
 _ME: tuple[int, int] = (0, 0)   # (pid, stamp) of this process, read from /proc once
 
@@ -78,7 +85,8 @@ class _Pinned:
         self.me = _stamp()
 
     def __enter__(self):
-        _LOCK.acquire()
+        self.lock = _LOCK
+        self.lock.acquire()
         try:
             for chunk in self.chunks:
                 if not self._take(chunk):
@@ -112,4 +120,4 @@ class _Pinned:
                 atomic.compare_exchange(self.pins.mm, self.pins._off(chunk), self.me, 0)
             self.taken.clear()
         finally:
-            _LOCK.release()
+            self.lock.release()
