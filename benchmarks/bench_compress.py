@@ -27,6 +27,9 @@ Rows:
        bounded = keeps up).
   c7b  the same with writers copying stored frames as fast as they can (a stress far above
        any env's rate).
+  c7c  2 writers adding stored frames at 6,000 steps/s each while spinning their cores at
+       100% (CPU-bound env workers on every core): the largest cold raw share (bounded =
+       the catch-up thread takes CPU once the backlog passes its bound).
   c7r  steps a second one compressor thread packs (compact() of a full cold buffer) / the
        insert rate of c7a's writers (>= 1: it keeps up); c7rb the same against c7b's.
   c8   Buffer.save of a compressing buffer after compact() (its compressed blocks written as
@@ -221,12 +224,39 @@ def _env_writer(name: str, game: str, wid: int, steps: int, barrier, results) ->
         env.close()
 
 
-def _run_writers(name: str, path: str, steps: int, live: bool = False) -> float:
+def _paced_writer(name: str, path: str, wid: int, steps: int, barrier, results) -> None:
+    """Add stored frames at ``PACED_RATE`` steps a second, spinning in between: an env worker
+    that keeps its core busy (as CPU-bound envs do) at a rate any env can reach."""
+    frames, done = load_frames(path)
+    buf = shmbuf.attach(name)
+    try:
+        w = buf.writer()
+        act = np.zeros(6, np.float32)
+        barrier.wait(WAIT)
+        t0 = time.perf_counter()
+        j = 0
+        while j < steps:
+            if j < (time.perf_counter() - t0) * PACED_RATE:
+                i = (wid * 7919 + j) % len(frames)
+                w.add(obs=frames[i], action=act, reward=0.0, done=bool(done[i]))
+                j += 1
+        results.put(time.perf_counter() - t0)
+        w.close()
+    finally:
+        buf.close()
+
+
+PACED_RATE = 6000     # steps a second per paced writer
+
+
+def _run_writers(name: str, path: str, steps: int, live: bool = False,
+                 paced: bool = False) -> float:
     ctx = mp.get_context("spawn")
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_env_writer, args=(name, _atari.GAMES[k], k, steps, barrier,
                                                     results)) if live else
-             ctx.Process(target=_writer, args=(name, path, k, steps, barrier, results))
+             ctx.Process(target=_paced_writer if paced else _writer,
+                         args=(name, path, k, steps, barrier, results))
              for k in range(2)]
     try:
         for p in procs:
@@ -364,9 +394,11 @@ def _prefetch_waits(buf, batches: int, compute_s: float = 0.02) -> list[float]:
 
 
 # -- c7: keeping up -------------------------------------------------------------------------
-def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int) -> list[Row]:
+def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int,
+               paced_steps: int) -> list[Row]:
     rows = []
-    for key, live, n in (("c7a", True, live_steps), ("c7b", False, steps)):
+    for key, live, n in (("c7a", True, live_steps), ("c7b", False, steps),
+                         ("c7c", False, paced_steps)):
         buf = shmbuf.create(SPEC, capacity, compress=shmbuf.Compress("obs"))
         shares, stop = [], threading.Event()
 
@@ -377,13 +409,14 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int) -> list[Ro
         t = threading.Thread(target=watch, daemon=True)
         try:
             t.start()
-            per_step = _run_writers(buf.name, path, n, live=live)
+            per_step = _run_writers(buf.name, path, n, live=live, paced=key == "c7c")
         finally:
             stop.set()
             t.join(WAIT)
             buf.close()
-        what = ("2 writers stepping live ALE envs" if live else
-                "2 writers copying stored frames flat out")
+        what = {"c7a": "2 writers stepping live ALE envs",
+                "c7b": "2 writers copying stored frames flat out",
+                "c7c": f"2 writers at {PACED_RATE}/s each, spinning their cores"}[key]
         rows.append(Row(key, f"cold raw share of capacity, {what}", "x",
                         [max(shares) if shares else 0.0], [], "none (reported; median in JSON)",
                         None, paired=False,
@@ -481,8 +514,9 @@ def main() -> None:
                     help="sections to run, by key, separated by commas")
     args = ap.parse_args()
     only = set(args.only.split(","))
-    per_game, capacity, reps, wsteps, live = (2000, 20_000, 3, 5_000, 1_000) if args.quick \
-        else (6000, 100_000, 5, 20_000, 3_000)
+    per_game, capacity, reps, wsteps, live, paced = (
+        (2000, 20_000, 3, 5_000, 1_000, 12_000) if args.quick
+        else (6000, 100_000, 5, 20_000, 3_000, 60_000))
     path = frames_file(per_game)
     steps = args.steps or (100_000 if args.quick else 1_000_000)
     room = min(os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize,
@@ -496,7 +530,7 @@ def main() -> None:
     sections = {"c1": lambda: c1_memory(path, steps), "c2": lambda: c2_noise(capacity // 4, reps),
                 "c3": lambda: c3_writers(path, capacity, wsteps, reps),
                 "c4": lambda: c4_c6_sampling(path, capacity, reps),
-                "c7": lambda: c7_keep_up(path, capacity // 4, 4 * wsteps, live),
+                "c7": lambda: c7_keep_up(path, capacity // 4, 4 * wsteps, live, paced),
                 "c8": lambda: c8_save(path, capacity, reps)}
     for key, fn in sections.items():
         if key not in only:

@@ -42,6 +42,8 @@ ROUND_CHUNKS = 64       # chunks per round at most: one quiescence wait covers t
 ROUND_SHARE = 8         # and at most 1/8 of the chunks: writers skip chunks a round holds
 IDLE_PAUSE = 0.05       # seconds the background thread sleeps when nothing is cold
 THREAD_NICE = 19        # the compressor thread's nice value: writers and the trainer go first
+CATCH_UP_NICE = 10      # the catch-up thread's: it takes CPU from busy writers when behind
+BACKLOG_SHARE = 10      # behind = more cold raw steps than max(hot_steps, capacity / this)
 
 
 def candidates(ring, words: PackWords, hot: int) -> np.ndarray:
@@ -97,8 +99,12 @@ class Packer:
         self.views = {c.name: views[c.name] for c in self.plan.columns}
         self.lock = threading.Lock()     # one round at a time in this process
         self.last_error: str | None = None
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
+        self._behind = threading.Event()   # set while the catch-up thread works
+        # Cold chunks still raw beyond which compression stops waiting for idle CPU.
+        self.backlog = max(1, max(hot_steps, self.plan.capacity // BACKLOG_SHARE)
+                           // self.plan.chunk_size)
 
     # -- choosing ------------------------------------------------------------------
     def candidates(self) -> np.ndarray:
@@ -256,39 +262,92 @@ class Packer:
             if not n:
                 time.sleep(0.001)   # others hold them (a live compressor): let it finish
 
-    # -- the owner's background thread -------------------------------------------------
+    # -- the owner's background threads ------------------------------------------------
     def start(self) -> None:
-        """Run rounds in a daemon thread until ``stop``."""
-        if self._thread is not None:
+        """Run rounds in daemon threads until ``stop``: the compressor, and its catch-up.
+
+        The compressor runs at the lowest CPU priority, so writers and the
+        trainer go first and it uses what they leave.  Where they leave too
+        little (env workers busy on every core), cold chunks would stay raw
+        and the buffer's memory would grow back towards the raw size: once
+        more than ``backlog`` chunks are cold and raw, the catch-up thread
+        works at a middling priority (it takes CPU from the writers) until
+        half of them are compressed, while the compressor steps aside.
+        """
+        if self._threads:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="shmbuf-compress", daemon=True)
-        self._thread.start()
+        self._behind.clear()
+        self._threads = [
+            threading.Thread(target=self._run, name="shmbuf-compress", daemon=True),
+            threading.Thread(target=self._catch_up, name="shmbuf-compress-catch-up",
+                             daemon=True)]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
         # Linux gives each thread its own nice value: this one yields the CPU to writers
         # and to the trainer's own threads, and uses what they leave (its work can wait;
         # theirs cannot).  Best effort: a refused change leaves it at the process's.
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
-                           max(THREAD_NICE, os.getpriority(os.PRIO_PROCESS, 0)))
-        except OSError:
-            pass
+        _nice(THREAD_NICE)
         while not self._stop.is_set():
-            try:
-                n = self.round(stop=self._stop)
-            except SharedMemoryFullError as exc:
-                self.last_error, n = str(exc), 0
-            except (ValueError, TypeError, OSError):
-                if self._stop.is_set():     # the mapping went away under a closing buffer
+            n: int | None = 0
+            if not self._behind.is_set():
+                n = self._round(self._behind)
+                if n is None:
                     return
-                raise
             if not n and self._stop.wait(IDLE_PAUSE):
                 return
 
+    def _catch_up(self) -> None:
+        _nice(CATCH_UP_NICE)
+        while not self._stop.wait(IDLE_PAUSE):
+            if self.pending() <= self.backlog:
+                continue
+            self._behind.set()     # the compressor's round ends at its next chunk
+            try:
+                while not self._stop.is_set() and self.pending() > self.backlog // 2:
+                    if self._round(self._stop) is None:
+                        return
+            finally:
+                self._behind.clear()
+
+    def _round(self, yield_to: threading.Event) -> int | None:
+        """One background round (ending early once ``yield_to`` or ``stop`` is set);
+        None once the buffer is closing under it."""
+        stop = _Either(self._stop, yield_to)
+        try:
+            return self.round(stop=stop)    # type: ignore[arg-type]
+        except SharedMemoryFullError as exc:
+            self.last_error = str(exc)
+            return 0
+        except (ValueError, TypeError, OSError):
+            if self._stop.is_set():     # the mapping went away under a closing buffer
+                return None
+            raise
+
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop the background thread (a round in flight finishes or gives its chunks back)."""
+        """Stop the background threads (a round in flight finishes or gives its chunks back)."""
         self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None:
+        threads, self._threads = self._threads, []
+        for thread in threads:
             thread.join(timeout)
+
+
+class _Either:
+    """Set when either of two events is (``round``'s ``stop``: it only asks ``is_set``)."""
+
+    def __init__(self, a: threading.Event, b: threading.Event):
+        self.a, self.b = a, b
+
+    def is_set(self) -> bool:
+        return self.a.is_set() or self.b.is_set()
+
+
+def _nice(value: int) -> None:
+    """Set this thread's nice value to ``value`` (never below the process's); best effort."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(),
+                       max(value, os.getpriority(os.PRIO_PROCESS, 0)))
+    except OSError:
+        pass
