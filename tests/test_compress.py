@@ -18,13 +18,12 @@ import pytest
 import shmbuf
 
 pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
-from helpers.atari import FRAME
+from helpers.atari import FRAME, SHM, check, fill, shm_used, spec
 from helpers.atari import play as _play
 
 from shmbuf import Compress
 from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
 
-SHM = "/dev/shm"
 TIMEOUT = 60
 
 
@@ -39,26 +38,6 @@ def frames_file(frames, tmp_path_factory):
     path = tmp_path_factory.mktemp("frames") / "frames.npy"
     np.save(path, frames)
     return str(path)
-
-
-def spec():
-    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
-
-
-def fill(buf, frames, steps, start=0, episode=50):
-    with buf.writer() as w:
-        for j in range(start, start + steps):
-            i = j % len(frames)
-            w.add(obs=frames[i], idx=i, done=j % episode == episode - 1)
-
-
-def check(frames, batch):
-    assert np.array_equal(batch["obs"], frames[batch["idx"]])
-
-
-def shm_used() -> int:
-    st = os.statvfs(SHM)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def words_left_by(buf, pids):

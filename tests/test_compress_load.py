@@ -14,13 +14,13 @@ import pytest
 import shmbuf
 
 pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
-from helpers.atari import FRAME, play
+from helpers import atari
+from helpers.atari import SHM, check, play, shm_used, spec
 
 from shmbuf import Compress
 from shmbuf.posix.wait import poll
 from shmbuf.select import Recency, Uniform
 
-SHM = "/dev/shm"
 TIMEOUT = 60
 RAW_ROWS = 1024 * 3 * 64 * 64   # the obs bytes of a full 1024-step buffer, raw
 
@@ -31,24 +31,8 @@ def frames():
     return np.concatenate([play("Breakout", 500, 3), play("MsPacman", 500, 4)])
 
 
-def spec():
-    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
-
-
-def fill(buf, frames, steps, start=0, episode=37):
-    with buf.writer() as w:
-        for j in range(start, start + steps):
-            i = j % len(frames)
-            w.add(obs=frames[i], idx=i, done=j % episode == episode - 1)
-
-
-def check(frames, batch):
-    assert np.array_equal(batch["obs"], frames[batch["idx"]])
-
-
-def shm_used() -> int:
-    st = os.statvfs(SHM)
-    return (st.f_blocks - st.f_bfree) * st.f_frsize
+def fill(buf, frames, steps, start=0):
+    atari.fill(buf, frames, steps, start, episode=37)
 
 
 @pytest.fixture(scope="module")

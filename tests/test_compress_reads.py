@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from helpers.atari import FRAME, play
+from helpers.atari import play, spec
 
 import shmbuf
 
@@ -21,10 +21,6 @@ TIMEOUT = 60
 @pytest.fixture(scope="module")
 def frames():
     return np.concatenate([play("Pong", 300, 3), play("Breakout", 300, 4)])
-
-
-def spec():
-    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
 
 
 def _fill(buf, frames, steps):

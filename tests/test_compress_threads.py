@@ -6,17 +6,13 @@ import threading
 
 import numpy as np
 import pytest
-from helpers.atari import FRAME, play
+from helpers.atari import play, spec
 
 import shmbuf
 from shmbuf.posix.wait import poll
 
 pytest.importorskip("zstandard")
 TIMEOUT = 60
-
-
-def spec():
-    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
 
 
 def _nice_of(tid: int) -> int:

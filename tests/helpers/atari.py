@@ -1,8 +1,35 @@
-"""Real Atari frames for the compression tests: ale-py's wheel ships the ROMs."""
+"""Real Atari frames for the compression tests (ale-py's wheel ships the ROMs), and the
+steps they store: ``obs = frames[idx]`` and ``idx``, so any batch is checked against the
+ground truth with one comparison."""
+import os
+
 import numpy as np
 import pytest
 
 FRAME = (3, 64, 64)
+SHM = "/dev/shm"
+
+
+def spec():
+    return {"obs": (FRAME, np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
+
+
+def fill(buf, frames, steps, start=0, episode=50):
+    """``steps`` steps from step ``start`` on, frames in a cycle, an episode every ``episode``."""
+    with buf.writer() as w:
+        for j in range(start, start + steps):
+            i = j % len(frames)
+            w.add(obs=frames[i], idx=i, done=j % episode == episode - 1)
+
+
+def check(frames, batch):
+    assert np.array_equal(batch["obs"], frames[batch["idx"]])
+
+
+def shm_used() -> int:
+    """Bytes in use in /dev/shm, as statvfs counts them (every process's)."""
+    st = os.statvfs(SHM)
+    return (st.f_blocks - st.f_bfree) * st.f_frsize
 
 
 def play(game: str, steps: int, seed: int) -> np.ndarray:
