@@ -179,7 +179,10 @@ def c2_noise(steps: int, reps: int) -> list[Row]:
 
 
 # -- c3: writers ----------------------------------------------------------------------------
-def _writer(name: str, path: str, wid: int, steps: int, barrier, results) -> None:
+def _writer(name: str, path: str, wid: int, steps: int, barrier, results,
+            rate: float | None = None) -> None:
+    """Add ``steps`` stored frames as fast as possible, or at ``rate`` steps a second while
+    spinning in between: an env worker that keeps its core busy (as CPU-bound envs do)."""
     frames, done = load_frames(path)
     buf = shmbuf.attach(name)
     try:
@@ -187,9 +190,12 @@ def _writer(name: str, path: str, wid: int, steps: int, barrier, results) -> Non
         act = np.zeros(6, np.float32)
         barrier.wait(WAIT)
         t0 = time.perf_counter()
-        for j in range(steps):
-            i = (wid * 7919 + j) % len(frames)
-            w.add(obs=frames[i], action=act, reward=0.0, done=bool(done[i]))
+        j = 0
+        while j < steps:
+            if rate is None or j < (time.perf_counter() - t0) * rate:
+                i = (wid * 7919 + j) % len(frames)
+                w.add(obs=frames[i], action=act, reward=0.0, done=bool(done[i]))
+                j += 1
         results.put(time.perf_counter() - t0)
         w.close()
     finally:
@@ -224,28 +230,6 @@ def _env_writer(name: str, game: str, wid: int, steps: int, barrier, results) ->
         env.close()
 
 
-def _paced_writer(name: str, path: str, wid: int, steps: int, barrier, results) -> None:
-    """Add stored frames at ``PACED_RATE`` steps a second, spinning in between: an env worker
-    that keeps its core busy (as CPU-bound envs do) at a rate any env can reach."""
-    frames, done = load_frames(path)
-    buf = shmbuf.attach(name)
-    try:
-        w = buf.writer()
-        act = np.zeros(6, np.float32)
-        barrier.wait(WAIT)
-        t0 = time.perf_counter()
-        j = 0
-        while j < steps:
-            if j < (time.perf_counter() - t0) * PACED_RATE:
-                i = (wid * 7919 + j) % len(frames)
-                w.add(obs=frames[i], action=act, reward=0.0, done=bool(done[i]))
-                j += 1
-        results.put(time.perf_counter() - t0)
-        w.close()
-    finally:
-        buf.close()
-
-
 PACED_RATE = 6000     # steps a second per paced writer
 
 
@@ -255,8 +239,8 @@ def _run_writers(name: str, path: str, steps: int, live: bool = False,
     barrier, results = ctx.Barrier(2), ctx.Queue()
     procs = [ctx.Process(target=_env_writer, args=(name, _atari.GAMES[k], k, steps, barrier,
                                                     results)) if live else
-             ctx.Process(target=_paced_writer if paced else _writer,
-                         args=(name, path, k, steps, barrier, results))
+             ctx.Process(target=_writer, args=(name, path, k, steps, barrier, results,
+                                               PACED_RATE if paced else None))
              for k in range(2)]
     try:
         for p in procs:
