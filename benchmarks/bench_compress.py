@@ -30,6 +30,8 @@ Rows:
   c7c  2 writers adding stored frames at 6,000 steps/s each while spinning their cores at
        100% (CPU-bound env workers on every core): the largest cold raw share (bounded =
        the catch-up thread takes CPU once the backlog passes its bound).
+  c7w  steps a second the catch-up thread packs when it encodes on 2 threads / on 1 (it
+       uses one thread per 4 usable cores), alternated, from a full cold buffer.
   c7r  steps a second one compressor thread packs (compact() of a full cold buffer) / the
        insert rate of c7a's writers (>= 1: it keeps up); c7rb the same against c7b's.
   c8   Buffer.save of a compressing buffer after compact() (its compressed blocks written as
@@ -407,6 +409,12 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int,
                         extra={"median_share": statistics.median(shares) if shares else 0.0,
                                "last_share": shares[-1] if shares else 0.0,
                                "insert_steps_per_s": 2 / per_step, "samples": len(shares)}))
+    one, two = [], []
+    for _ in range(3):      # alternated: the catch-up thread encoding alone, then on 2
+        one.append(_catch_up_speed(path, capacity, 1))
+        two.append(_catch_up_speed(path, capacity, 2))
+    rows.append(Row("c7w", "catch-up steps/s, encoding on 2 threads / on 1", "/s", two, one,
+                    "the catch-up thread encoding alone", None))
     speed = _compress_speed(path, capacity)
     for key, row in (("c7r", rows[0]), ("c7rb", rows[1])):
         rate = row.extra["insert_steps_per_s"]
@@ -415,6 +423,35 @@ def c7_keep_up(path: str, capacity: int, steps: int, live_steps: int,
             "/s", speed, [rate], "the writers' insert rate above", ("ratio", ">=", 1.0)
             if key == "c7r" else None, paired=False))
     return rows
+
+
+def _catch_up_speed(path: str, capacity: int, workers: int) -> float:
+    """Steps a second the catch-up thread packs with ``workers`` encoding threads, from a
+    full cold buffer down to half its backlog bound (its first 50 ms poll included)."""
+    frames, done = load_frames(path)
+    buf = shmbuf.create(SPEC, capacity, compress=shmbuf.Compress("obs", hot_steps=0))
+    try:
+        packer = buf._packer
+        packer.stop()
+        fill(buf, frames, done, capacity)
+        packer._stop.clear()
+        packer.catch_up_workers = workers
+        before = packer.pending()
+        t0 = time.perf_counter()
+        t = threading.Thread(target=packer._catch_up, daemon=True)
+        t.start()
+        try:
+            while packer.pending() > packer.backlog // 2:
+                if time.perf_counter() - t0 > WAIT:
+                    raise TimeoutError("the catch-up thread did not catch up")
+                time.sleep(0.005)
+            took = time.perf_counter() - t0
+        finally:
+            packer._stop.set()
+            t.join(WAIT)
+        return (before - packer.pending()) * buf.chunk_size / took
+    finally:
+        buf.close()
 
 
 def _compress_speed(path: str, capacity: int, reps: int = 3) -> list[float]:

@@ -35,7 +35,9 @@ def test_the_compressor_threads_and_their_priorities(make_buffer):
     assert not any(t.is_alive() for t in threads.values())
 
 
-def test_the_catch_up_thread_works_only_past_the_backlog():
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_catch_up_thread_works_only_past_the_backlog(workers):
+    """Alone (as on a small machine) or encoding on 3 threads (as on a 12-core one)."""
     frames = play("Breakout", 200, 9)
     buf = shmbuf.create(spec(), 1024, chunk_size=16,
                         compress=shmbuf.Compress("obs", hot_steps=0))
@@ -48,6 +50,7 @@ def test_the_catch_up_thread_works_only_past_the_backlog():
                 w.add(obs=frames[j % 200], idx=j % 200, done=j % 50 == 49)
         assert packer.pending() == 1024 // 16
         packer._stop.clear()
+        packer.catch_up_workers = workers
         t = threading.Thread(target=packer._catch_up, daemon=True)   # the catch-up alone
         t.start()
         try:
@@ -59,6 +62,10 @@ def test_the_catch_up_thread_works_only_past_the_backlog():
         assert not t.is_alive()
         c = buf.stats().compression
         assert c.compressed_chunks >= 1024 // 16 - packer.backlog // 2
+        assert not [t for t in threading.enumerate()
+                    if t.name.startswith("shmbuf-compress-catch-up")]   # its pool is gone
+        snap = buf.snapshot()["columns"]
+        assert np.array_equal(snap["obs"], frames[snap["idx"]])
         batch = buf.sample_sequences(16, 16)
         assert np.array_equal(batch["obs"], frames[batch["idx"]])
     finally:

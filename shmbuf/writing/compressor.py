@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -44,6 +45,7 @@ IDLE_PAUSE = 0.05       # seconds the background thread sleeps when nothing is c
 THREAD_NICE = 19        # the compressor thread's nice value: writers and the trainer go first
 CATCH_UP_NICE = 10      # the catch-up thread's: it takes CPU from busy writers when behind
 BACKLOG_SHARE = 10      # behind = more cold raw steps than max(hot_steps, capacity / this)
+CATCH_UP_CORES = 4      # catching up encodes on one thread per this many usable cores
 
 
 def candidates(ring, words: PackWords, hot: int) -> np.ndarray:
@@ -105,6 +107,8 @@ class Packer:
         # Cold chunks still raw beyond which compression stops waiting for idle CPU.
         self.backlog = max(1, max(hot_steps, self.plan.capacity // BACKLOG_SHARE)
                            // self.plan.chunk_size)
+        # Threads that encode when behind: one per CATCH_UP_CORES usable cores.
+        self.catch_up_workers = max(1, len(os.sched_getaffinity(0)) // CATCH_UP_CORES)
 
     # -- choosing ------------------------------------------------------------------
     def candidates(self) -> np.ndarray:
@@ -191,13 +195,16 @@ class Packer:
 
     # -- a round ---------------------------------------------------------------------
     def round(self, limit: int | None = None, timeout: float | None = None,
-              stop: threading.Event | None = None) -> int:
+              stop: threading.Event | None = None, pool: ThreadPoolExecutor | None = None
+              ) -> int:
         """Pack up to ``limit`` eligible chunks; return how many now hold packed columns.
 
         ``limit`` defaults to ``ROUND_CHUNKS``, and to at most 1/``ROUND_SHARE`` of
         the chunks: a writer that reaches a chunk a round holds takes the next one,
         so a round must never hold the ring.  ``stop`` (the background thread's):
         once set, the round ends early and gives back the chunks it could not finish.
+        ``pool``: threads that encode the round's chunks side by side (the codec
+        releases the GIL; each chunk's word, blob slot and rows are its own).
 
         Raises:
             SharedMemoryFullError: /dev/shm could not hold a blob (the chunks
@@ -205,15 +212,36 @@ class Packer:
         """
         if limit is None:
             limit = max(1, min(ROUND_CHUNKS, self.plan.n_chunks // ROUND_SHARE))
+
+        def take(chunk: int) -> tuple[int, int, int, int] | None:
+            return None if stop is not None and stop.is_set() else self._take(chunk)
+
         with self.lock:
             held: list[tuple[int, int, int, int]] = []
             try:
-                for chunk in self.candidates()[:limit]:
-                    if stop is not None and stop.is_set():
-                        break
-                    got = self._take(int(chunk))
-                    if got is not None:
-                        held.append(got)
+                chunks = [int(c) for c in self.candidates()[:limit]]
+                if pool is None:
+                    for chunk in chunks:
+                        if stop is not None and stop.is_set():
+                            break
+                        got = take(chunk)
+                        if got is not None:
+                            held.append(got)
+                else:
+                    # Every future is waited for, so that each word a worker won is
+                    # finished (or given back) below, whatever another one raised.
+                    futures = [pool.submit(take, c) for c in chunks]
+                    failed: BaseException | None = None
+                    for f in futures:
+                        try:
+                            got = f.result()
+                        except BaseException as exc:
+                            failed = failed or exc
+                            continue
+                        if got is not None:
+                            held.append(got)
+                    if failed is not None:
+                        raise failed
             finally:
                 done = self._finish(held, timeout, stop or threading.Event())
             return done
@@ -274,8 +302,8 @@ class Packer:
         works at a middling priority (it takes CPU from the writers) until
         half of them are compressed, while the compressor steps aside.
         """
-        if self._threads:
-            return
+        if any(t.is_alive() for t in self._threads):
+            return   # (threads listed in a forked child are its parent's, and gone)
         self._stop.clear()
         self._behind.clear()
         self._threads = [
@@ -301,23 +329,36 @@ class Packer:
 
     def _catch_up(self) -> None:
         _nice(CATCH_UP_NICE)
-        while not self._stop.wait(IDLE_PAUSE):
-            if self.pending() <= self.backlog:
-                continue
-            self._behind.set()     # the compressor's round ends at its next chunk
-            try:
-                while not self._stop.is_set() and self.pending() > self.backlog // 2:
-                    if self._round(self._stop) is None:
-                        return
-            finally:
-                self._behind.clear()
+        pool = None
+        try:
+            while not self._stop.wait(IDLE_PAUSE):
+                if self.pending() <= self.backlog:
+                    continue
+                if pool is None and self.catch_up_workers > 1:
+                    # On a big machine one thread's share of a busy core is too little
+                    # for env workers on every core: encode on several, each at this
+                    # thread's priority.
+                    pool = ThreadPoolExecutor(self.catch_up_workers,
+                                              thread_name_prefix="shmbuf-compress-catch-up",
+                                              initializer=_nice, initargs=(CATCH_UP_NICE,))
+                self._behind.set()     # the compressor's round ends at its next chunk
+                try:
+                    while not self._stop.is_set() and self.pending() > self.backlog // 2:
+                        if self._round(self._stop, pool) is None:
+                            return
+                finally:
+                    self._behind.clear()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
 
-    def _round(self, yield_to: threading.Event) -> int | None:
+    def _round(self, yield_to: threading.Event,
+               pool: ThreadPoolExecutor | None = None) -> int | None:
         """One background round (ending early once ``yield_to`` or ``stop`` is set);
         None once the buffer is closing under it."""
         stop = _Either(self._stop, yield_to)
         try:
-            return self.round(stop=stop)    # type: ignore[arg-type]
+            return self.round(stop=stop, pool=pool)    # type: ignore[arg-type]
         except SharedMemoryFullError as exc:
             self.last_error = str(exc)
             return 0
