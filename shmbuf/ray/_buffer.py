@@ -424,17 +424,23 @@ class ShardedBuffer:
     def _ping(self) -> list[str]:
         """Drop the shards that do not answer (an actor that died on a live node)."""
         entries = self._live()
-        refs = [e.actor.info.remote() for e in entries]
-        gone = []
+        answered = {e.node_id for e, _ in self._on_every_shard("info")}
+        return [e.node_id for e in entries if e.node_id not in answered]
+
+    def _on_every_shard(self, method: str) -> list[tuple[ShardEntry, object]]:
+        """Call ``method`` on every live shard at once; ``(shard, reply)`` of those that
+        answered.  A shard whose call failed because it is gone is dropped (``_lost``)."""
+        entries = self._live()
+        refs = [getattr(e.actor, method).remote() for e in entries]
+        out = []
         for e, ref in zip(entries, refs):
             try:
-                ray.get(ref, timeout=self._timeout)
+                out.append((e, ray.get(ref, timeout=self._timeout)))
             except Exception as exc:
                 if not is_loss(exc):
                     raise
                 self._lost(e, exc)
-                gone.append(e.node_id)
-        return gone
+        return out
 
     # -- counters and lifecycle ---------------------------------------------------------
     def stop_writers(self) -> None:
@@ -448,6 +454,7 @@ class ShardedBuffer:
         Example:
             >>> rb.stop_writers()     # every actor's add() raises WritersStoppedError
         """
+        self._check_open()
         self._on_every_shard("stop_writers")
 
     def resume_writers(self) -> None:
@@ -456,36 +463,15 @@ class ShardedBuffer:
         Example:
             >>> rb.resume_writers()
         """
-        self._on_every_shard("resume_writers")
-
-    def _on_every_shard(self, method: str) -> None:
         self._check_open()
-        entries = self._live()
-        refs = [getattr(e.actor, method).remote() for e in entries]
-        for e, ref in zip(entries, refs):
-            try:
-                ray.get(ref, timeout=self._timeout)
-            except Exception as exc:
-                if not is_loss(exc):
-                    raise
-                self._lost(e, exc)
+        self._on_every_shard("resume_writers")
 
     def stats(self) -> list[ShardStats]:
         """One entry per shard, live or lost: node, live steps, rates, health."""
         self._check_open()
         here = node_id()
-        entries = self._live()
-        refs = [e.actor.stats.remote() for e in entries]
-        out = []
-        for e, ref in zip(entries, refs):
-            try:
-                s = ray.get(ref, timeout=self._timeout)
-            except Exception as exc:
-                if not is_loss(exc):
-                    raise
-                self._lost(e, exc)
-                continue
-            out.append(ShardStats(health="ok", local=e.node_id == here, **s))
+        out = [ShardStats(health="ok", local=e.node_id == here, **s)   # type: ignore[arg-type]
+               for e, s in self._on_every_shard("stats")]
         for e, why in self._lost_entries.values():
             out.append(ShardStats(e.node_id, e.buffer, "lost", e.node_id == here, error=why))
         return out
