@@ -45,8 +45,16 @@ def stamp_of(pid: int, start: int) -> int:
     return (pid & PID_BITS_MASK) << STAMP_PID_SHIFT | (start & STAMP_START_MASK)
 
 
+_MINE: tuple[int, int] = (0, 0)   # (pid, stamp): read from /proc once per process
+
+
 def my_stamp() -> int:
-    return stamp_of(os.getpid(), my_start_time())
+    """This process's ``stamp_of`` (read again in a forked child)."""
+    global _MINE
+    pid = os.getpid()
+    if _MINE[0] != pid:
+        _MINE = (pid, stamp_of(pid, my_start_time()))
+    return _MINE[1]
 
 
 def stamp_alive(stamp: int) -> bool:

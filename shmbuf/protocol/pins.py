@@ -42,17 +42,6 @@ def _fresh_lock() -> None:   # a child forked while another thread pinned: it ho
 
 os.register_at_fork(after_in_child=_fresh_lock)
 
-_ME: tuple[int, int] = (0, 0)   # (pid, stamp) of this process, read from /proc once
-
-
-def _stamp() -> int:
-    global _ME
-    pid = os.getpid()
-    if _ME[0] != pid:       # first use, or a forked child
-        _ME = (pid, my_stamp())
-    return _ME[1]
-
-
 class Pins:
     """The pin words of one mapped buffer's chunks (``mm`` at ``chunks_offset``)."""
 
@@ -82,7 +71,7 @@ class _Pinned:
     def __init__(self, pins: Pins, chunks: list[int]):
         self.pins, self.chunks = pins, chunks
         self.taken: list[int] = []
-        self.me = _stamp()
+        self.me = my_stamp()
 
     def __enter__(self):
         self.lock = _LOCK

@@ -64,15 +64,16 @@ class Unpacker:
         ok = chunks >= 0
         words = self.words.load(np.where(ok, chunks, 0))
         phase = (words >> np.uint64(30)) & np.uint64(3)
+        masks = ((words >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64)
         # A chunk packed with no column (none shrank: noise) reads raw, like a raw one.
-        cooked = ok & (phase >= PUNCHING) & ((words >> np.uint64(22)) & np.uint64(0xFF) != 0)
+        cooked = ok & (phase >= PUNCHING) & (masks != 0)
         if not cooked.any():
             return None
         match = (words >> np.uint64(32)) == (seqs.astype(np.uint64) & _U32)
         row_chunk = rows // self.plan.chunk_size
         hop = np.argmax(row_chunk[:, :, None] == chunks[:, None, :], axis=2)
         pick = (lambda a: np.take_along_axis(a, hop, axis=1))
-        mask = pick(((words >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64) * cooked)
+        mask = pick(masks * cooked)
         return Flags(pick(cooked & match), pick(cooked & ~match), mask, row_chunk, pick(seqs))
 
     def chunk_flags(self, chunk: int, seq: int, n: int) -> Flags | None:
