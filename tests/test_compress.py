@@ -479,6 +479,8 @@ def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
     assert out["wrap_full"] is not None and "again" in out["wrap_full"]
     assert out["compacted"] > 0 and out["resumed"]
     assert out["true_after_compact_full"] and out["true_when_full"] and out["true_at_end"]
+    assert out["parallel_full"] is not None and "compressed columns" in out["parallel_full"]
+    assert out["parallel_left_held"] == 0 and out["true_after_parallel_full"]
 
 
 # -- the facades ------------------------------------------------------------------------------

@@ -4,17 +4,20 @@
 (tests/test_compress.py mounts one in a mount namespace of its own).  Steps hold noise-free
 synthetic frames that compress well.  It checks, printing one JSON line for the test:
 
-- compact() with /dev/shm full: SharedMemoryFullError, every chunk still readable;
+- compact() with /dev/shm full: SharedMemoryFullError, every chunk still readable; the
+  same for a round that encodes on several threads, which leaves no word held;
 - a writer wrapping into packed chunks with /dev/shm full: SharedMemoryFullError at its
   claim (never SIGBUS), and the same add goes through once space is freed;
 - samples stay true throughout (``obs`` is a function of ``idx``).
 """
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 import shmbuf
+from shmbuf.protocol.packing import BUSY, PUNCHING, unpack_word
 
 FILLER = "/dev/shm/filler"
 SPEC = {"obs": ((3, 64, 64), np.uint8), "idx": ((), np.int64), "done": ((), np.bool_)}
@@ -68,6 +71,18 @@ def main():
         except shmbuf.SharedMemoryFullError as exc:
             out["compact_full"] = str(exc)
         out["true_after_compact_full"] = true(buf.sample_sequences(16, 12))
+        # The same on several encoding threads (the catch-up thread's rounds): the round
+        # waits for every worker and gives back each word they won.
+        with ThreadPoolExecutor(3) as pool:
+            try:
+                buf._packer.round(timeout=30, pool=pool)
+                out["parallel_full"] = None
+            except shmbuf.SharedMemoryFullError as exc:
+                out["parallel_full"] = str(exc)
+        out["parallel_left_held"] = sum(
+            1 for word in buf._ring.packing.words.tolist()
+            if unpack_word(word)[1] in (BUSY, PUNCHING) and unpack_word(word)[3] == os.getpid())
+        out["true_after_parallel_full"] = true(buf.sample_sequences(16, 12))
         os.unlink(FILLER)
         out["compacted"] = buf.compact(timeout=30)
         out["reserved_packed"] = buf.stats().reserved_bytes
