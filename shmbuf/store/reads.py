@@ -331,14 +331,12 @@ class Reads(BufferState):
             shape, dtype = spec[name]
             values[name] = coerce(f"write_steps({name}=...)", value, dtype, ids.shape + shape)
         prio = self._ring.prio()
-        _, first, chunk, _ = prio.held_rows(ids)
-        if not first.any():
-            return 0
-        # Pinned, the chunks of the held steps cannot be recycled until the rows are
-        # written, so a written value never lands in a later step (protocol.pins).
-        with self._ring.pins.pinned(chunk[first]):
-            rows, held, _, _ = prio.held_rows(ids)   # again, after the pins
-            held &= first                             # on the pinned chunks only
+        # Pinned, the chunks the ids name cannot be recycled until the rows are written,
+        # so a written value never lands in a later step (protocol.pins); the held check
+        # comes after the pins.
+        lay = self._layout
+        with self._ring.pins.pinned(ids.reshape(-1) // lay.chunk_size % lay.n_chunks):
+            rows, held, _, _ = prio.held_rows(ids)
             for name, value in values.items():
                 flat = value.reshape((len(rows),) + spec[name][0])
                 self._views[name][rows[held]] = flat[held]
