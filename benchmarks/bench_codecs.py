@@ -143,6 +143,13 @@ def _stall_rows(frames: np.ndarray, codecs: dict) -> list[dict]:
     for name, (comp, dec) in codecs.items():
         packed = comp(raw)
         cases[name] = lambda dec=dec, packed=packed: dec(packed, len(raw))
+    try:   # the call shmbuf's reads make: a zstd frame decoded straight into an array
+        from shmbuf.sampling.codec import Codec as ShmCodec
+        shm = ShmCodec("zstd", 1)
+        frame, into = shm.encode(raw), np.empty(len(raw), np.uint8)
+        cases["shmbuf decode_into (zstd)"] = lambda: shm.decode_into(frame, into, len(raw))
+    except ImportError:
+        pass
     for name, call in cases.items():
         gaps = [_longest_gap_during(call) for _ in range(3)]
         gap, took = min(g for g, _ in gaps), statistics.median(t for _, t in gaps)
