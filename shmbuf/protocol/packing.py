@@ -48,6 +48,7 @@ import numpy as np
 
 from .._errors import SharedMemoryFullError
 from ..posix.procs import (
+    PID_BITS_MASK,
     STAMP_PID_SHIFT,
     STAMP_START_MASK,
     is_alive,
@@ -62,7 +63,7 @@ from . import _atomic as atomic
 RAW, BUSY, PUNCHING, PACKED = 0, 1, 2, 3
 PHASES = ("raw", "busy", "punching", "packed")
 MAX_COLUMNS = 8           # mask bits in a chunk word
-PID_MASK = (1 << 22) - 1  # Linux pids are below 2**22 (pid_max's ceiling)
+PID_MASK = PID_BITS_MASK   # Linux pids are below 2**22 (pid_max's ceiling)
 READER_SLOTS = 1024       # reader threads attached at once, over all processes
 READER_ENTRY = 16         # state word (pid << 32 | generation: odd while reading), start time
 DIR_ENTRY = 8             # per block of a packed column: u32 offset in the slot, u32 length
