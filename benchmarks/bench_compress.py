@@ -292,22 +292,22 @@ def c4_c6_sampling(path: str, capacity: int, reps: int) -> list[Row]:
         rows.append(Row("c4", "sample(50, 50), every window hot", "s", t_hot, t_raw,
                         "the same call on an uncompressed buffer", ("ratio", "<=", 1.05)))
         t_cold, t_codec, t_hot_codec, t_both = [], [], [], []
-        unpack = cold._ring.unpacker
+        unpack = cold.port.unpacker
         for r in range(reps * 3):
             windows: list = []
-            cold._finder.locate = _spy(cold._finder.locate, windows)  # the same windows for
+            cold.port.finder.locate = _spy(cold.port.finder.locate, windows)  # the same windows for
             # the codec-alone baseline
             t0 = time.perf_counter()
             cold.sample_sequences(50, 50, rng=r)
             t_cold.append(time.perf_counter() - t0)
-            del cold._finder.locate
+            del cold.port.finder.locate
             rows_ = np.concatenate([w.rows for w in windows])
             kept, hot_block = _codec_alone(unpack, rows_)
             t_codec.append(kept)
             t_hot_codec.append(hot_block)
             idx = np.ascontiguousarray(rows_.T)
             t0 = time.perf_counter()
-            np.take(raw._views["obs"], idx, axis=0)     # the copy every batch makes
+            np.take(raw.port.views["obs"], idx, axis=0)     # the copy every batch makes
             t_both.append(hot_block + time.perf_counter() - t0)
         rows.append(Row("c5", "sample(50, 50), every window cold", "s", t_cold, t_codec,
                         "pread + decode of the blocks the batch touches into one array, "

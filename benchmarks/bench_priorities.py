@@ -62,7 +62,7 @@ def fill(buf, steps: int, spec: dict, seed: int = 0) -> None:
         for _ in range(steps // EPISODE):
             w.extend(**run)
     rows = buf.committed_rows()
-    ids = buf._ring.priorities.ids(rows)   # every held step's id, to set them all
+    ids = buf.port.step_ids(rows)   # every held step's id, to set them all
     for at in range(0, len(ids), 1 << 20):
         part = ids[at:at + (1 << 20)]
         buf.update_priorities(part, rng.lognormal(0, 1, len(part)).astype(np.float32))
@@ -103,7 +103,8 @@ def bench_draw(big: int) -> None:
         for n in (10_000, big):
             bufs[n] = shmbuf.create(SMALL, n, seed=0, priorities=True)
             fill(bufs[n], n, SMALL)
-        draws = {n: (lambda b=b: _prioritized.draw(b._finder, rng, 50, 50, 0, EXPONENT, MAXFRAC))
+        draws = {n: (lambda f=b.port.finder: _prioritized.draw(f, rng, 50, 50, 0, EXPONENT,
+                                                               MAXFRAC))
                  for n, b in bufs.items()}
         for f in draws.values():
             f()
@@ -113,9 +114,9 @@ def bench_draw(big: int) -> None:
         row(f"P1g growth {big:.0e} / 1e+04 (median of paired ratios)",
             f"{statistics.median(ratio):9.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]", "<= 4x")
         b = bufs[big]
-        uni = timed(lambda: b._finder.draw(rng, 50, 50, 0), 300)
+        uni = timed(lambda: b.port.finder.draw(rng, 50, 50, 0), 300)
         row(f"P1u uniform draw of 50 windows among {big:.0e} steps (reference)", fmt(uni))
-        ids = b._ring.priorities.ids(b.committed_rows())
+        ids = b.port.step_ids(b.committed_rows())
         picks = [ids[rng.integers(0, len(ids), 2500)] for _ in range(64)]
         vals = [rng.lognormal(0, 1, 2500).astype(np.float32) for _ in range(64)]
         it = iter(range(10 ** 9))
@@ -142,10 +143,10 @@ def bench_w1_batch(capacity: int) -> None:
             prio = lambda: buf.sample_sequences(50, 50, select=select)   # noqa: E731
         else:   # before shmbuf.select: the same draw through the sample loop's pieces
             def prio():
-                w = _prioritized.draw(buf._finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
+                w = _prioritized.draw(buf.port.finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
                 targets = shmbuf.store.reads._prepare_out(None, buf.spec, (50, 50))
                 buf._gather(w.rows, np.arange(50), targets, True, 50)
-                assert buf._finder.still_valid(w).all()
+                assert buf.port.finder.still_valid(w).all()
         uniform(), prio()
         tp, tu, ratio = paired(prio, uniform, 40, 3)
         row("P2  Prioritized 50x50 W1 batch", fmt(tp))
@@ -207,10 +208,10 @@ def bench_torchrl(buf, select, rng) -> None:
             batch = buf.sample_sequences(50, 50, select=select, ids=True)
             buf.update_priorities(batch["ids"], rng.random((50, 50)))
         else:
-            w = _prioritized.draw(buf._finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
+            w = _prioritized.draw(buf.port.finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
             targets = shmbuf.store.reads._prepare_out(None, buf.spec, (50, 50))
             buf._gather(w.rows, np.arange(50), targets, True, 50)
-            buf.update_priorities(buf._ring.priorities.ids(w.rows), rng.random((50, 50)))
+            buf.update_priorities(buf.port.step_ids(w.rows), rng.random((50, 50)))
 
     theirs(), ours()
     tt, to, ratio = paired(theirs, ours, 15, 3)
@@ -244,9 +245,9 @@ def bench_cpprb(n: int) -> None:
                 b = buf.sample_sequences(256, 1, select=Prioritized(exponent=0.6), ids=True)
                 ids = b["ids"]
             else:
-                w = _prioritized.draw(buf._finder, rng, 256, 1, 0, 0.6, MAXFRAC)
+                w = _prioritized.draw(buf.port.finder, rng, 256, 1, 0, 0.6, MAXFRAC)
                 buf.arrays["obs"][w.rows[:, 0]]
-                ids = buf._ring.priorities.ids(w.rows)
+                ids = buf.port.step_ids(w.rows)
             buf.update_priorities(ids, rng.random(ids.shape))
 
         theirs(), ours()

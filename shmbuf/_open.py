@@ -12,7 +12,7 @@ import numpy as np
 
 from ._registry import class_for
 from .disk.keyed_save import holds_keyed
-from .disk.save import _rate_limit, open_save
+from .disk.saved import open_save, rate_limit_of
 from .posix import signals
 from .protocol.layout import KIND_KEYED, NO_SLOT
 from .segment.segment import Segment
@@ -141,7 +141,7 @@ def load_steps(path, name: str | None = None, capacity: int | None = None, *, se
                            packed if same else dict(packed, hot_steps=None)),
                        handle_signals=handle_signals,
                        priorities=manifest.get("priorities") is True,
-                       rate_limit=_rate_limit(path, manifest))
+                       rate_limit=rate_limit_of(path, manifest))
     state["rate"] = manifest.get("rate")
     try:
         buf.restore(state)

@@ -26,7 +26,7 @@ from .keyed import rings as keyed
 from .posix import signals as _signals
 from .posix.wait import check_timeout, poll
 from .segment.lifecycle import Shared
-from .writing.cast import _to_numpy, coerce
+from .writing.cast import coerce, host_array
 
 FACADE = "ParamBlock"
 _ALIGN = 64
@@ -144,7 +144,7 @@ class ParamBlock(Shared):
         blob = np.zeros(self._rings.spec["data"][0], np.uint8)
         for pname, dtype, shape, offset in table:
             dt = np.dtype(dtype)
-            value = coerce(f"publish({pname!r})", _to_numpy(params[pname]), dt, tuple(shape))
+            value = coerce(f"publish({pname!r})", host_array(params[pname]), dt, tuple(shape))
             n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
             blob[offset:offset + n] = np.ascontiguousarray(value, dt).reshape(-1).view(np.uint8)
         version = self.version() + 1
@@ -237,7 +237,7 @@ def _plan(template: dict) -> tuple[list, int]:
         raise ValueError(f"template must be a non-empty dict of name -> array, got {template!r}")
     table, offset = [], 0
     for pname, value in template.items():
-        arr = _to_numpy(value)
+        arr = host_array(value)
         if arr.dtype.kind not in "biuf" or arr.dtype.hasobject:
             raise TypeError(f"template[{pname!r}]: dtype {arr.dtype} is not a fixed-size number")
         table.append([str(pname), arr.dtype.str, list(arr.shape), offset])

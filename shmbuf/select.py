@@ -26,8 +26,8 @@ Example:
     >>> batch = buf.sample_sequences(16, 64, select=mix)
 
 How a selector plugs into sampling (for the internals): ``resolve`` turns
-``select``/``uniform``/``newest`` into one selector; ``sel._check(buffer)``
-runs at the door; each draw is ``sel._draw(finder, rng, n, length, tail)``,
+``select``/``uniform``/``newest`` into one selector; ``sel.check(buffer)``
+runs at the door; each draw is ``sel.draw(finder, rng, n, length, tail)``,
 ``n`` located ``sampling.Windows`` (see /docs/design.md, "Sampling regimes").
 """
 from __future__ import annotations
@@ -54,13 +54,22 @@ def _real(owner: str, arg: str, value, lo: float, hi: float = math.inf) -> float
 
 
 class Selector:
-    """The base of every selector: the two hooks ``sample_sequences`` calls."""
+    """The base of every selector, and the whole selector protocol: ``check`` at the door,
+    ``draw`` for each round of windows.
 
-    def _check(self, buffer) -> None:
+    ``sample_sequences``, ``dataset``, ``prefetch``, the facades' own selectors
+    and Ray's shards call these two methods and nothing else, so a custom
+    regime subclasses ``Selector`` and implements ``draw`` (with
+    ``sampling.windows.WindowFinder``'s ``locate`` or ``draw`` underneath,
+    which only ever return valid windows).
+    """
+
+    def check(self, buffer) -> None:
         """Raise (ValueError) if ``buffer`` cannot be sampled this way; at the door."""
 
-    def _draw(self, finder, rng: np.random.Generator, n: int, length: int, tail: int):
-        """``n`` located windows (``sampling.Windows``) drawn this way."""
+    def draw(self, finder, rng: np.random.Generator, n: int, length: int, tail: int):
+        """``n`` located windows (``sampling.Windows``) drawn this way from the windows
+        ``finder`` (a ``WindowFinder``) finds valid, with ``rng``'s draws."""
         raise NotImplementedError
 
 
@@ -72,7 +81,7 @@ class Uniform(Selector):
         >>> buf.sample_sequences(16, 64, select=Uniform())
     """
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         return finder.draw(rng, n, length, tail)
 
 
@@ -99,7 +108,7 @@ class Recency(Selector):
     def __post_init__(self):
         object.__setattr__(self, "exponent", _real("Recency", "exponent", self.exponent, 0.0))
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         from .sampling import recency as _recency
 
         return _recency.draw(finder, rng, n, length, tail, self.exponent)
@@ -143,7 +152,7 @@ class AgeBuckets(Selector):
             raise ValueError(f"AgeBuckets: weights must not all be 0, got {list(checked)}")
         object.__setattr__(self, "weights", checked)
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         from .sampling import age_buckets as _age_buckets
 
         return _age_buckets.draw(finder, rng, n, length, tail, self.weights)
@@ -186,12 +195,12 @@ class Prioritized(Selector):
             object.__setattr__(self, "default",
                                _real("Prioritized", "default", self.default, 0.0))
 
-    def _check(self, buffer) -> None:
+    def check(self, buffer) -> None:
         from .sampling import prioritized as _prioritized
 
         _prioritized.check(buffer)
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         from .sampling import prioritized as _prioritized
 
         return _prioritized.draw(finder, rng, n, length, tail, self.exponent, self.maxfrac,
@@ -251,17 +260,17 @@ class Mixture(Selector):
     def selectors(self) -> tuple:
         return tuple(s for _, s in self.components)
 
-    def _check(self, buffer) -> None:
+    def check(self, buffer) -> None:
         for f, s in self.components:
             if f > 0:
-                s._check(buffer)
+                s.check(buffer)
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         from .sampling.windows import joined
 
         p = np.array(self.fractions)
         counts = rng.multinomial(n, p / p.sum())
-        parts = [s._draw(finder, rng, int(c), length, tail)
+        parts = [s.draw(finder, rng, int(c), length, tail)
                  for c, s in zip(counts, self.selectors) if c]
         w = joined(parts)
         # Shuffled: a batch's windows are exchangeable, as if each picked its selector.
@@ -274,7 +283,7 @@ class _PerEpisode(Selector):
 
     newest: int | None = None
 
-    def _draw(self, finder, rng, n, length, tail):
+    def draw(self, finder, rng, n, length, tail):
         return finder.draw_episodes(rng, n, length, tail, self.newest)
 
 

@@ -303,7 +303,7 @@ def test_prioritized_sampler_follows_priorities_pushed_from_another_process(make
         rb.write_episode(episode(10, seed=s, pixels=False))
     # Every step gets priority 0 except the clips of episode 3, which get 1.
     everything = rb._view().rows
-    ids = rb._table.buf._ring.prio().ids(everything)
+    ids = rb._table.buf.port.step_ids(everything)
     rb._table.buf.update_priorities(ids, np.zeros(len(ids), np.float32))
     other = pickle.loads(pickle.dumps(rb))
     target = np.arange(27, 36)                                  # episode 3's flat clips

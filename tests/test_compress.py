@@ -44,7 +44,7 @@ def words_left_by(buf, pids):
     """Chunk words still held by one of ``pids`` (a compressor that was killed)."""
     from shmbuf.protocol.packing import unpack_word
     held = []
-    for w in buf._ring.packing.words.tolist():
+    for w in buf.port.packing.words.tolist():
         _, phase, _, pid = unpack_word(w)
         if phase in (1, 2) and pid in pids:
             held.append(w)

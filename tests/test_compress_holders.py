@@ -51,7 +51,7 @@ def _held(frames, pid, stamp):
         with buf.writer() as w:
             for j in range(128):
                 w.add(obs=frames[j], idx=j, done=j % 40 == 39)
-        words = buf._ring.packing
+        words = buf.port.packing
         seq = buf._ring.chunk_state(2)[0]
         assert words.take(2, words.word(2), pack_word(seq, BUSY, 0, pid))
         atomic_store(words, 2, stamp)
@@ -74,7 +74,7 @@ def test_a_holder_whose_pid_was_reused_is_adopted(frames, live_pid, reused):
     buf = _held(frames, live_pid, stamp)
     try:
         packed = buf._packer.round(limit=8, timeout=TIMEOUT)
-        _, phase, _, pid = unpack_word(buf._ring.packing.word(2))
+        _, phase, _, pid = unpack_word(buf.port.packing.word(2))
         if reused:      # the stamp says the holder is not the process with that pid now
             assert packed == 8 and phase == PACKED and pid == 0
         else:           # a live holder: its chunk is left alone
@@ -98,7 +98,7 @@ def test_a_writer_recycles_a_chunk_whose_holder_pid_was_reused(frames, live_pid,
         # Reused pid: chunk 2 is recycled in turn.  Live holder: the writer leaves it and
         # takes chunk 3 instead, so chunk 2's rows (32..47) are still there.
         assert (set(range(32, 48)) <= old) is (not reused)
-        _, phase, _, pid = unpack_word(buf._ring.packing.word(2))
+        _, phase, _, pid = unpack_word(buf.port.packing.word(2))
         assert (pid == live_pid) is (not reused)
     finally:
         buf.close()

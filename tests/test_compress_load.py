@@ -168,7 +168,7 @@ def test_the_compressor_goes_on_in_the_loaded_buffer(saves, frames):
     from shmbuf.protocol.packing import PACKED, unpack_word
     _, packed_dir, _ = saves
     with shmbuf.load(packed_dir, seed=2) as buf:
-        words = buf._ring.packing.words
+        words = buf.port.packing.words
         _, count = buf._ring.chunk_states()
         raw = [c for c in range(len(count))   # the newest saved steps: loaded raw, hot
                if count[c] and unpack_word(int(words[c]))[1] != PACKED]
@@ -279,7 +279,7 @@ def test_load_never_reserves_nor_maps_the_rows_it_puts_back_compressed(saves, mo
     with shmbuf.load(packed_dir, seed=1) as buf:
         buf._packer.stop()
         obs = buf._layout.column("obs")
-        kept = [c for c, w in enumerate(buf._ring.packing.words.tolist())
+        kept = [c for c, w in enumerate(buf.port.packing.words.tolist())
                 if unpack_word(w)[1] == PACKED and unpack_word(w)[2] & 1]
         assert len(kept) > 50
         for c in kept:

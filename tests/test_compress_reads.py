@@ -69,8 +69,8 @@ def test_every_layout_of_a_cold_batch_is_bit_identical(raw, frames, codec):
 def test_a_block_that_does_not_decode_is_a_corrupt_segment(frames):
     packed = _made(frames, shmbuf.Compress("obs", hot_steps=0))
     try:
-        plan = packed._ring.packing.plan
-        dirs = packed._ring.unpacker.words.read_dir(0)
+        plan = packed.port.packing.plan
+        dirs = packed.port.unpacker.words.read_dir(0)
         off, length = (int(x) for x in dirs[plan.columns[0].bit, 1])
         assert length > 32
         fd = os.open(f"/dev/shm/{packed.name}", os.O_RDWR)

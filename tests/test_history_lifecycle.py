@@ -31,7 +31,7 @@ from helpers.stop_workers import TIMEOUT, shm_exists
 import shmbuf
 from shmbuf import cli
 from shmbuf.compat.history import HistoryBuffer
-from shmbuf.disk import keyed_save as _keyed_saving
+from shmbuf.disk import keyed_save as _keyed_save
 from shmbuf.keyed import rings as keyed
 from shmbuf.params import ParamBlock
 from shmbuf.posix import signals as _signals
@@ -337,7 +337,7 @@ def test_save_copies_a_bounded_group_of_envs_at_a_time(tmp_path, monkeypatch):
 
     monkeypatch.setattr(keyed.KeyedRings, "snapshot", spy)
     with HistoryBuffer(5, 4, spec={"x": ((10,), np.float64)}) as buf:  # 80 bytes an entry
-        monkeypatch.setattr(_keyed_saving, "GROUP_BYTES", 2 * 4 * 80)  # two envs' entries
+        monkeypatch.setattr(_keyed_save, "GROUP_BYTES", 2 * 4 * 80)  # two envs' entries
         for t in range(6):
             buf.append({"x": np.full((5, 10), t, np.float64)})
         assert buf.save(tmp_path / "history") == 20

@@ -29,7 +29,7 @@ def filled(capacity=1024, steps=900, chunk_size=64, **kw):
 
 
 def all_ids(buf):
-    return buf._ring.priorities.ids(buf.committed_rows())
+    return buf.port.step_ids(buf.committed_rows())
 
 
 def scores(buf, length, exponent, maxfrac, dreamer_order=False, default=None):
@@ -48,7 +48,7 @@ def scores(buf, length, exponent, maxfrac, dreamer_order=False, default=None):
     held = np.zeros(int(x.max()) + 1, bool)
     held[x] = True
     p = np.zeros(len(held))
-    p[x] = buf.priorities_of(buf._ring.priorities.ids(rows))
+    p[x] = buf.priorities_of(buf.port.step_ids(rows))
     if default is not None:
         p[x[~buf._ring.priorities.values(rows)[1]]] = default
     first = np.arange(len(held) - length + 1)
@@ -133,7 +133,7 @@ def set_random(buf, seed=0, frac=1.0):
     """
     rng = np.random.default_rng(seed)
     rows = buf.committed_rows()
-    ids = buf._ring.priorities.ids(rows)
+    ids = buf.port.step_ids(rows)
     x = buf.arrays["x"][rows].astype(np.int64)
     episode = x // EPISODE
     spiky = np.where(x % 8 == 0, 20.0, 0.01)

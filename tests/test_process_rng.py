@@ -2,7 +2,7 @@
 
 A buffer's generator copied at fork used to give every child the same
 batches.  Without a seed every process now draws from fresh OS entropy; with
-``seed=s`` the stream is ``stream_seed(s, place)`` (shmbuf/_process_rng.py).
+``seed=s`` the stream is ``stream_seed(s, place)`` (shmbuf/sampling/rng.py).
 DataLoader workers are tested in test_dataset.py.
 """
 import multiprocessing as mp

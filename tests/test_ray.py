@@ -362,7 +362,7 @@ def test_prioritized_shares_and_updates_go_to_the_shard_that_holds_the_step(clus
                 mine = batch["ids"] >> 39 == sray._ids.tag_of(s.buffer)
                 got = buf.priorities_of(batch["ids"][mine] & ((1 << 39) - 1))
                 assert got.size and (got == 1.0 + 8.0 * batch["wid"][mine]).all()
-                every = buf._ring.prio().ids(buf.committed_rows())
+                every = buf.port.step_ids(buf.committed_rows())
                 w = buf.arrays["wid"][buf.committed_rows()][0]
                 buf.update_priorities(every, np.full(len(every), 1.0 + 8.0 * w))
             finally:

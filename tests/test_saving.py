@@ -11,7 +11,7 @@ from helpers.stop_workers import Script
 from helpers.workers import SPEC, obs_for, step_for, verify_batch
 
 import shmbuf
-from shmbuf.disk import save as _saving
+from shmbuf.disk import saved as _saved
 
 
 def fill(buf, streams=3, steps=150, cut_every=None, episode_len=20):
@@ -110,7 +110,7 @@ def test_saves_while_writers_run_hold_whole_steps_and_unbroken_streams(make_buff
         for i in range(20):
             path = tmp_path / f"s{i}"
             buf.save(path)
-            manifest, state = _saving.open_save(path)
+            manifest, state = _saved.open_save(path)
             check_rows(state["columns"])
             for positions, _ in by_stream(state).values():  # a gap starts a new stream id
                 assert (np.diff(positions) == 1).all()
@@ -156,9 +156,9 @@ def test_incremental_save_appends_sealed_chunks(make_buffer, tmp_path):
     assert saver.flush() == 10
     saver.close()  # the open chunk too
     assert saver.rows == 32
-    _, state = _saving.open_save(path)
+    _, state = _saved.open_save(path)
     assert state["columns"]["action"][:, 3].tolist() == list(range(32))
-    _, early = _saving.open_save(snapshot)
+    _, early = _saved.open_save(snapshot)
     assert early["columns"]["action"][:, 3].tolist() == list(range(20))
     with shmbuf.load(snapshot) as back:
         verify_batch(back.sample_sequences(4, 5))
@@ -198,7 +198,7 @@ def test_a_killed_process_loses_at_most_the_open_chunks(tmp_path):
         name = trainer.line()
         trainer.signal(signal.SIGKILL)
         trainer.wait()
-        manifest, state = _saving.open_save(path)
+        manifest, state = _saved.open_save(path)
         assert manifest["rows"] == rows[-1] == 992  # 62 sealed chunks; the open one is lost
         assert state["columns"]["action"][:, 3].tolist() == list(range(992))
         with shmbuf.load(path) as back:

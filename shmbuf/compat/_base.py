@@ -11,9 +11,10 @@ import numpy as np
 from .. import _open
 from .._errors import CorruptSaveError, CorruptSegmentError
 from .._registry import register  # noqa: F401  # the facades' decorator, re-exported
-from ..disk import save as _saving
+from ..disk import saved as _saved
 from ..segment.lifecycle import Shared
 from ..store import buffer as store
+from ..writing.cast import host_array
 from ..writing.compress import Compress
 
 
@@ -33,7 +34,7 @@ def to_torch(value):
 def to_numpy(value):
     """The inverse of ``to_torch``: tensors back to numpy arrays."""
     if type(value).__module__.startswith("torch"):
-        return value.detach().cpu().numpy()
+        return host_array(value)
     if isinstance(value, dict):
         return {k: to_numpy(v) for k, v in value.items()}
     if isinstance(value, list):
@@ -128,10 +129,10 @@ class Facade(Shared):
         Raises:
             CorruptSaveError: the save was made by another class (or is damaged).
         """
-        manifest = _saving.read_manifest(path)
+        manifest = _saved.read_manifest(path)
         if manifest["meta"].get("facade") != cls.FACADE:
             raise CorruptSaveError(
-                f"{str(path)!r} was saved by {_saving.saved_by(manifest)}, not by "
+                f"{str(path)!r} was saved by {_saved.saved_by(manifest)}, not by "
                 f"{cls.__name__}; load it with the matching class or shmbuf.load")
         return _open.load_steps(path, name, capacity, seed=seed, handle_signals=handle_signals)
 
@@ -139,7 +140,7 @@ class Facade(Shared):
     def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
                       handle_signals: bool | None = None):
         """This facade over an attached step-store segment (the registry's way in)."""
-        return cls._from_buffer(store.Buffer._open_segment(
+        return cls._from_buffer(store.open_segment(
             segment, layout, owner, seed=seed, own=own, handle_signals=handle_signals))
 
     @classmethod

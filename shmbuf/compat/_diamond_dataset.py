@@ -68,7 +68,7 @@ class SequenceDataset:
         self.seed = None if seed is None else check_int("seed", seed, 0)
         # One stream per process (shmbuf.sampling.rng): the owner, each DataLoader
         # worker (by id and the loader's seed) and any other child draw their own.
-        self._random = ProcessRandom(self.seed, replay_buffer.buffer._owner_pid,
+        self._random = ProcessRandom(self.seed, replay_buffer.buffer.port.owner_pid,
                                      replay_buffer.name)  # type: ignore[arg-type]  # open: named
 
     def __len__(self) -> int:

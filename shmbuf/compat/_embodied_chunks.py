@@ -27,7 +27,6 @@ import tempfile
 import numpy as np
 
 _BASE62 = string.digits + string.ascii_letters
-NIL = "0" * 22
 
 
 class Name:

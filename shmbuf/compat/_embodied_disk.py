@@ -19,7 +19,6 @@ import numpy as np
 
 from . import _embodied_chunks as chunks
 from . import _embodied_draw as draw
-from . import _embodied_rows as rows
 
 Path = pathlib.Path
 
@@ -36,7 +35,8 @@ class State:
 def save(replay, directory: Path) -> None:
     buffer, items = replay.buffer, replay._items
     directory.mkdir(parents=True, exist_ok=True)
-    live = rows.live_chunks(buffer)
+    port = buffer.port
+    live = port.live_chunks()
     ids, seqs, count, firsts = live.chunk, live.seq, live.count, live.base
     streams, first_pos = items.stream[firsts].copy(), items.pos[firsts].copy()
     starts = _live_starts(items, firsts, count)
@@ -49,7 +49,7 @@ def save(replay, directory: Path) -> None:
         for lo_pos, hi_pos in _files(segments, starts[s], replay.chunksize, replay._disk, s):
             got = _copy(replay, segments, lo_pos, hi_pos, s)
             used = [i for p, c, i, _ in segments if p < hi_pos and p + c > lo_pos]
-            if got is None or not rows.unchanged(buffer, ids[used], seqs[used]).all():
+            if got is None or not port.unchanged(ids[used], seqs[used]).all():
                 break   # recycled while it was read: evicted, and so is what follows
             n = hi_pos - lo_pos
             uuid = chunks.uuid_for(replay.shm_name, s, lo_pos)
@@ -105,14 +105,14 @@ def _copy(replay, segments: list, lo_pos: int, hi_pos: int, stream: int) -> dict
     picked = np.concatenate(parts)
     if not (arrays["stream"][picked] == stream).all():
         return None
-    parts = replay.buffer._parts
-    if parts.ring.unpacker is None:
+    port = replay.buffer.port
+    if port.unpacker is None:
         return {key: arrays[replay._columns[key]][picked] for key, _, _ in replay._keys}
     # Compressed chunks: through the store's packed read, at each chunk's seq now (the
     # caller's re-check after the copy rejects a chunk recycled since it listed them).
-    chunk = picked // parts.ring.layout.chunk_size
-    seq = (parts.ring.chunk_states()[0][chunk] >> np.uint64(32)).astype(np.int64)
-    got = parts.take_rows([replay._columns[key] for key, _, _ in replay._keys],
+    chunk = picked // replay.buffer.chunk_size
+    seq = port.chunk_seqs(chunk)
+    got = port.take_rows([replay._columns[key] for key, _, _ in replay._keys],
                           picked[:, None], chunk[:, None], seq[:, None])
     return {key: got[replay._columns[key]][:, 0] for key, _, _ in replay._keys}
 

@@ -21,9 +21,8 @@ import os
 
 import numpy as np
 
-from .._errors import SampleRetryError
-from ..sampling.windows import Windows, joined
-from . import _embodied_rows as rows
+from ..sampling.out import prepare_out
+from ..sampling.windows import Windows, enough, in_rounds
 
 _ROUNDS = 64
 
@@ -34,25 +33,43 @@ def stream_id() -> int:
 
 
 class Items:
-    """The facade's view of its items: what to draw from, and how to find one."""
+    """The facade's view of its items: what to draw from, and how to find one.
+
+    Everything it needs of the store below the public ``Buffer`` API goes
+    through the buffer's ``StorePort`` (``port``), taken once here.
+    """
 
     def __init__(self, buffer, length: int, capacity: int):
         self.buffer, self.length, self.capacity = buffer, length, capacity
+        self.port = buffer.port
         arrays = buffer.arrays
         self.item, self.stream, self.pos = arrays["item"], arrays["stream"], arrays["pos"]
 
     def core(self, selector, rng, n: int) -> Windows:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
-        return selector._draw(rows.finder(self.buffer), rng, n, self.length, 0)
+        return self.port.draw(selector, rng, n, self.length)
 
     def fresh(self, w: Windows) -> np.ndarray:
-        """Per window of ``w``: True if one of its steps never got a priority."""
-        return rows.never_set(self.buffer, w.rows)
+        """Per window of ``w``: True if one of its steps never got a priority (in the
+        claim its chunk has now)."""
+        if not w.rows.size:
+            return np.zeros(len(w.rows), bool)
+        _, explicit = self.port.priority_values(w.rows.reshape(-1))
+        return ~explicit.reshape(w.rows.shape).all(axis=1)
 
     def zero(self, w: Windows) -> None:
         """Set the priorities of the steps of windows ``w`` to 0 (those still held)."""
-        ids = rows.ids_of_rows(self.buffer, w.rows)
+        ids = self.port.step_ids(w.rows)
         self.buffer.update_priorities(ids, np.zeros(ids.shape, np.float32))
+
+    def sample(self, draw: Draw, batch: int, spec: dict) -> dict:
+        """``batch`` windows ``draw`` picks, gathered batch-major (the columns of ``spec``,
+        and ``"ids"``) through the store's copy and seqlock re-check: a window recycled
+        while it was copied is drawn again, exactly as for ``sample_sequences``."""
+        port = self.buffer.port   # this handle is open ...
+        port.check_live()         # ... and no process closed the buffer
+        targets = prepare_out(None, spec, (batch, self.length), ids=True)
+        return port.sample(draw, port.random.get(), batch, self.length, targets)
 
     def made(self) -> int:
         return self.buffer.serial_count()
@@ -77,7 +94,7 @@ class Items:
                            np.empty((0, 1), np.int64))
         starts = self._starts(ends)
         starts = starts[starts >= 0]
-        w = rows.locate(self.buffer, starts, self.length)
+        w = self.port.locate(starts, self.length)
         # The row may have been recycled since it was found: keep the named items only.
         return w.take(np.isin(self.item[w.rows[:, -1]], serials))
 
@@ -88,7 +105,7 @@ class Items:
         since = max(since, lo)
         if since >= made:
             return [], max(since, made)
-        live = rows.live_chunks(self.buffer)
+        live = self.port.live_chunks()
         base, count = live.base, live.count
         newer = self.item[base + count - 1] >= since
         if not newer.any():
@@ -108,7 +125,7 @@ class Items:
         serials increase: a chunk can hold ``s`` only if its first and last
         rows bracket it, and within it a binary search finds the row.
         """
-        live = rows.live_chunks(self.buffer)
+        live = self.port.live_chunks()
         base, count = live.base, live.count
         first, last = self.item[base], self.item[base + count - 1]
         out = np.full(len(serials), -1, np.int64)
@@ -124,7 +141,7 @@ class Items:
 
     def _starts(self, ends: np.ndarray) -> np.ndarray:
         """Start rows of the windows ending at ``ends`` (-1 where the start is gone)."""
-        live = rows.live_chunks(self.buffer)
+        live = self.port.live_chunks()
         base, count = live.base, live.count
         f_stream, f_pos = self.stream[base], self.pos[base]
         out = np.full(len(ends), -1, np.int64)
@@ -137,17 +154,19 @@ class Items:
 
 
 class Draw:
-    """The selector object the store calls (``_draw``): one facade selector over ``Items``.
+    """The selector object the store calls (``draw``): one facade selector over ``Items``.
 
     ``pick(items, rng, n)`` of a facade selector returns located windows;
-    this loop keeps the live ones and asks again for the rest.
+    this loop keeps the live ones and asks again for the rest.  The store's
+    ``finder`` it is called with is the one ``Items.port`` draws through.
     """
 
     def __init__(self, items: Items, selector, queued=None):
         self.items, self.selector, self.queued = items, selector, queued
 
-    def _draw(self, finder, rng, n, length, tail):
-        found, need = [], n
+    def draw(self, finder, rng, n, length, tail):
+        found: list[Windows] = []
+        need = n
         take: list[int] = []
         while self.queued and len(take) < need:
             try:
@@ -158,21 +177,10 @@ class Draw:
             w = self.items.keep_live(self.items.by_serial(np.array(take)))
             found.append(w)
             need -= len(w.rows)
-        for round_ in range(_ROUNDS):
-            if not need:
-                return joined(found)
-            # Drawn windows of evicted items are dropped: ask for more as rounds fail.
-            ask = need << min(2 * round_, 12)
-            w = self.items.keep_live(self.selector.pick(self.items, rng, ask))
-            if not found and len(w.rows) == n:   # one round, every window live: the common case
-                return w
-            found.append(w.take(np.arange(min(need, len(w.rows)))))
-            need -= len(found[-1].rows)
-        if not need:
-            return joined(found)
-        raise SampleRetryError(
-            f"could not draw {n} live items of length {length} in {_ROUNDS} rounds: writers "
-            "recycled the chosen steps each time; the buffer is too small for its ingest rate")
+        # Drawn windows of evicted items are dropped: ask for more as rounds fail.
+        need = in_rounds(found, need, lambda round_, need: self.items.keep_live(
+            self.selector.pick(self.items, rng, need << min(2 * round_, 12))), _ROUNDS)
+        return enough(found, need, n, f"live items of length {length}")
 
 
 def by_age(items: Items, rng, n: int, cdf: np.ndarray) -> Windows:

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import select as core
 from .._errors import NotEnoughDataError
+from ..sampling.windows import joined
 from . import _embodied_draw as draw
 
 
@@ -259,7 +260,7 @@ class Mixture(Selector):
     def pick(self, items, rng, n):
         counts = rng.multinomial(n, self.fractions)
         parts = [s.pick(items, rng, int(c)) for c, s in zip(counts, self.selectors) if c]
-        w = draw.joined(parts)
+        w = joined(parts)
         return w.take(rng.permutation(len(w.rows))) if len(parts) > 1 else w
 
     def _prioritized(self):

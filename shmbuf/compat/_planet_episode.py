@@ -16,7 +16,7 @@ from typing import Any, NoReturn, overload
 import numpy as np
 
 from ..disk.checkpoint import FORMAT
-from ..writing.cast import coerce
+from ..writing.cast import coerce, host_array
 
 
 class Episode:
@@ -247,9 +247,7 @@ def episode_list(episodes) -> list:
 def _numbers(label: str, value) -> np.ndarray:
     """A private numpy copy of a numpy array, torch tensor or array-like of numbers."""
     try:
-        if type(value).__module__.startswith("torch"):
-            value = value.detach().cpu().numpy()
-        arr = np.array(value, copy=True)
+        arr = np.array(host_array(value), copy=True)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"{label}: cannot read {type(value).__name__} as an array "
                         f"({exc})") from None

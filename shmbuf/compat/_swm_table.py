@@ -247,7 +247,7 @@ class Table:
         buf = self.attached(who)
         if buf is None:
             return View.empty()
-        logged = buf._parts.ring.episodes_logged()
+        logged = buf.port.episodes_logged()
         if self._view is None or self._view.logged != logged or not self._view.valid():
             if self.adopt and not buf.owner:
                 buf = self._adopt_if_orphaned(buf)
@@ -323,7 +323,7 @@ class View:
         """
         if old is None or old.buf is not buf:
             return cls._located(buf, logged, buf.episodes())
-        slots = buf._parts.ring.layout.episode_slots
+        slots = buf.port.episode_slots
         last = int(old.index[-1]) if len(old.index) else logged - 1 - min(logged, slots)
         fresh = min(logged - 1 - last, slots)
         kept = old.index >= logged - slots
@@ -341,11 +341,11 @@ class View:
     @classmethod
     def _located(cls, buf, logged: int, eps) -> View:
         """A view of the index entries ``eps`` that are still held (each located)."""
-        finder, ring = buf._parts.finder, buf._parts.ring
+        port = buf.port
         found = []
         for k in range(len(eps.index)):
-            start = int(ring.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
-            w = finder.locate(np.array([start], np.int64), int(eps.length[k]), 0, 1)
+            start = int(port.chunk_base[int(eps.chunk[k])]) + int(eps.offset[k])
+            w = port.locate(np.array([start], np.int64), int(eps.length[k]))
             if not len(w.rows) or (int(w.chunks[0, 0]), int(w.seqs[0, 0])) != (
                     int(eps.chunk[k]), int(eps.seq[k])):
                 continue
@@ -407,7 +407,7 @@ class View:
             return np.ones(len(eps), np.bool_)
         w = Windows(np.zeros((len(eps), 1), np.int64), np.ascontiguousarray(self.chunks[eps]),
                     np.ascontiguousarray(self.seqs[eps]))
-        return self.buf._parts.finder.still_valid(w)
+        return self.buf.port.still_valid(w)
 
     def still_held(self, eps: np.ndarray) -> np.ndarray:
         """Per entry of ``eps`` (episodes, repeats allowed): its chunks were not recycled."""
@@ -456,16 +456,16 @@ class View:
         of its rows lies in one episode (clips); found per position otherwise.  As
         every read, confirm the episodes afterwards (a recycled row reads as zeros).
         """
-        parts = self.buf._parts
+        port = self.buf.port
         rows = self.rows[positions]
-        if parts.ring.unpacker is None:     # nothing is ever packed: index in place
-            return {c: np.take(parts.views[c], rows, axis=0) for c in cols}
+        if port.unpacker is None:     # nothing is ever packed: index in place
+            return {c: np.take(port.views[c], rows, axis=0) for c in cols}
         if eps is None or rows.ndim != 2:   # one window per position, at its episode's hops
             flat = np.asarray(positions).reshape(-1)
             eps = np.searchsorted(self.offsets, flat, side="right") - 1
-            got = parts.take_rows(cols, rows.reshape(-1, 1), self.chunks[eps], self.seqs[eps])
+            got = port.take_rows(cols, rows.reshape(-1, 1), self.chunks[eps], self.seqs[eps])
             return {c: v.reshape(rows.shape + v.shape[2:]) for c, v in got.items()}
-        return parts.take_rows(cols, rows, self.chunks[eps], self.seqs[eps])
+        return port.take_rows(cols, rows, self.chunks[eps], self.seqs[eps])
 
     def confirm(self, eps: np.ndarray, who: str) -> None:
         """Raise TableChangedError if an episode of ``eps`` was recycled during a read."""
@@ -491,7 +491,7 @@ def _marks(buf, found: list) -> list[int]:
     rows = np.array([found[n][1] for n in ones], np.int64)          # (m, 1)
     hops = (np.array([found[n][2][:1] for n in ones], np.int64),
             np.array([found[n][3][:1] for n in ones], np.int64))
-    mark = buf._parts.take_rows(["mark"], rows, *hops)["mark"][:, 0]
+    mark = buf.port.take_rows(["mark"], rows, *hops)["mark"][:, 0]
     return [n for n, m in zip(ones, mark.tolist()) if m]
 
 

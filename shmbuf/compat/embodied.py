@@ -31,11 +31,10 @@ from ..posix import signals as _signals
 from ..segment import segment as _segment
 from ..store import buffer as store
 from ..store.reads import checked_priorities
-from ..writing.cast import coerce
+from ..writing.cast import coerce, host_array
 from ..writing.compress import Compress
 from . import _embodied_disk as disk
 from . import _embodied_draw as draw
-from . import _embodied_rows as rows
 from ._base import Facade, register
 from ._embodied_select import Fifo, Mixture, Prioritized, Recency, Selector, Uniform
 
@@ -140,7 +139,7 @@ class Replay(Facade):
         _signals.check(handle_signals)
         self._track(shm_name, owner=True, resource=_Name(shm_name))
         self._setup(params)
-        # SIGTERM unwinds and removes the segment, as for every owner (shmbuf._signals).
+        # SIGTERM unwinds and removes the segment, as for every owner (shmbuf.posix.signals).
         _signals.watch_or_close(self, handle_signals)
         if schema is not None:
             try:
@@ -321,7 +320,7 @@ class Replay(Facade):
                             f"{self._params['streams']} workers adding (streams=); make it "
                             "with Replay(..., streams=N) for more") from None
                     s = self._streams[worker] = _Stream(
-                        writer, self.buffer._parts.ring.stop_mark)
+                        writer, self.buffer.port.stop_mark)
         return s
 
     # -- sampling -------------------------------------------------------------------
@@ -364,8 +363,8 @@ class Replay(Facade):
             found, self._online_seen = self._items.online(self._online_seen)  # type: ignore[union-attr]
             self._queue.extend(found)
             queued = self._queue
-        out = rows.draw(self.buffer, draw.Draw(self._items, self.selector, queued),  # type: ignore[arg-type]  # bound once the buffer exists
-                        int(batch), self.length, self._spec)
+        out = self._items.sample(draw.Draw(self._items, self.selector, queued),  # type: ignore[union-attr, arg-type]  # bound once the buffer exists
+                                 int(batch), self._spec)
         ids = out.pop("ids")
         data = {k: out[self._columns[k]] for k, _, _ in self._keys}
         data["stepid"] = _stepids(ids, self._tag)
@@ -406,14 +405,14 @@ class Replay(Facade):
         if "stepid" not in data:
             raise KeyError(f"update: data has no 'stepid' (keys {sorted(data)})")
         data = dict(data)
-        stepid = _host(data.pop("stepid"))
+        stepid = host_array(data.pop("stepid"))
         priority = data.pop("priority", None)
         if self._ensure() is None:
             raise ValueError(f"update: replay {self.label!r} holds no step yet")
         ids = self._ids(stepid)
         stored = None
         if priority is not None:
-            priority = _host(priority)
+            priority = host_array(priority)
             if priority.shape != ids.shape:
                 raise ValueError(f"update: priority has shape {priority.shape}, expected "
                                  f"{ids.shape} (batch, length) like stepid")
@@ -449,7 +448,7 @@ class Replay(Facade):
                 raise KeyError(f"update: replay {self.label!r} has no key {key!r} (keys "
                                f"{sorted(known)}); nothing was written")
             shape, dtype = known[key]
-            value = _host(value)
+            value = host_array(value)
             width = value.shape[1] if value.ndim >= 2 else -1
             if value.ndim < 2 or value.shape[0] != lead[0] or not 1 <= width <= lead[1]:
                 raise ValueError(f"update: data[{key!r}] has shape {value.shape}; expected "
@@ -629,7 +628,7 @@ def _selector(selector, seed) -> Selector:
 def _schema_of_step(step: dict) -> list:
     out = []
     for key, value in step.items():
-        arr = _host(value)
+        arr = host_array(value)
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"add(step[{key!r}]): {arr.dtype} values cannot be stored; "
                             "expected bool, integer or float arrays")
@@ -652,12 +651,6 @@ def _schema_of_spec(spec) -> list:
             raise TypeError(f"spec[{key!r}]: dtype {dtype} cannot be stored")
         out.append((key, tuple(int(d) for d in shape), dtype))
     return out
-
-
-def _host(value) -> np.ndarray:
-    if type(value).__module__.startswith("torch"):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
 
 
 def _tag(name: str) -> int:

@@ -20,8 +20,8 @@ from .._errors import (
     SegmentNotFoundError,
 )
 from .._registry import register
-from ..disk import keyed_save as _keyed_saving
-from ..disk.save import _bad as _bad_save
+from ..disk import keyed_save as _keyed_save
+from ..disk.saved import bad_save
 from ..keyed import rings as keyed
 from ..posix import signals as _signals
 from ..sampling.rng import ProcessRandom
@@ -475,7 +475,7 @@ class HistoryBuffer(Shared):
         readable and mmap-able with numpy alone) is described in
         ``shmbuf.disk.keyed_save``.  Envs are copied a group at a time, each
         validated against concurrent appends, so no torn entry is saved and
-        at most ``_keyed_saving.GROUP_BYTES`` of entries (or one env's
+        at most ``disk.keyed_save.GROUP_BYTES`` of entries (or one env's
         ``max_len``) are held in memory.  ``HistoryBuffer.load`` (or
         ``shmbuf.load``) rebuilds the buffer from it.
 
@@ -501,7 +501,7 @@ class HistoryBuffer(Shared):
         if rings is None:
             raise ValueError(f"{self._describe()} has no schema yet (nothing was appended); "
                              "there is nothing to save")
-        return _keyed_saving.save(rings, path, overwrite=overwrite, durable=durable)
+        return _keyed_save.save(rings, path, overwrite=overwrite, durable=durable)
 
     @classmethod
     def load(cls, path, name: str | None = None, *, seed=None,
@@ -528,7 +528,7 @@ class HistoryBuffer(Shared):
         Example:
             >>> buf = HistoryBuffer.load("ckpt/history")
         """
-        manifest, lengths, entries = _keyed_saving.open_save(path, cls.KIND_NAME)
+        manifest, lengths, entries = _keyed_save.open_save(path, cls.KIND_NAME)
         params, schema = _saved_setup(path, manifest)
         self = cls(**params, seed=seed, name=name, handle_signals=handle_signals)
         try:
@@ -562,7 +562,7 @@ def _saved_setup(path, manifest: dict) -> tuple[dict, tuple[_infos.KeySchema, ..
             raise ValueError(f"params {params} do not fit {manifest['n_keys']} keys of "
                              f"{manifest['max_len']} entries")
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise _bad_save(path, f"its HistoryBuffer setup does not add up ({exc!r})") from None
+        raise bad_save(path, f"its HistoryBuffer setup does not add up ({exc!r})") from None
     return setup, schema
 
 

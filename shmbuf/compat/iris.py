@@ -33,6 +33,7 @@ import numpy as np
 
 from .._args import check_int
 from .._errors import NotEnoughDataError, OnPolicyBufferFullError
+from ..writing.cast import host_array
 from . import _torch_batches
 from ._base import register
 from ._transitions import (
@@ -288,9 +289,7 @@ class IRISOnPolicyBuffer:
 
     @staticmethod
     def _like_first(arg: str, value, held: list) -> np.ndarray:
-        if type(value).__module__.startswith("torch"):
-            value = value.detach().cpu().numpy()
-        arr = np.array(value)
+        arr = np.array(host_array(value))
         if arr.dtype.kind not in "biuf":
             raise TypeError(f"add({arg}=...): expected numbers, got dtype {arr.dtype}")
         if held and (arr.shape != held[0].shape or arr.dtype != held[0].dtype):

@@ -30,6 +30,7 @@ from stable_worldmodel.data import format as _swm_format
 from stable_worldmodel.data.dataset import Dataset
 
 from ..segment.segment import generate_name
+from ..select import Selector
 from ..writing.compress import Compress
 from . import _swm_codec as codec
 from . import _swm_table as table
@@ -73,7 +74,7 @@ def _gather_clips(view: table.View, columns: list[str], ep: np.ndarray, local: n
         out[col] = got[store[col]]
         if col == "action":
             out[col] = out[col].reshape(len(ep), history_len, -1)
-    ids = view.buf._parts.ring.prio().ids(view.rows[act])   # read with the rows, checked with them
+    ids = view.buf.port.step_ids(view.rows[act])   # read with the rows, checked with them
     return out, ids
 
 
@@ -552,7 +553,7 @@ class as_sampler:  # used like a function: sampler=as_sampler(Recency())
     """
 
     def __init__(self, select) -> None:
-        if not hasattr(select, "_draw"):
+        if not isinstance(select, Selector):
             raise TypeError(f"select must be a shmbuf.select object (Recency(), AgeBuckets(...), "
                             f"Prioritized(), ...), got {select!r}")
         self.select = select
@@ -572,11 +573,12 @@ class as_sampler:  # used like a function: sampler=as_sampler(Recency())
                 f"num_steps_stored={buffer.num_steps_stored})")
         store = view.buf
         where, ep_of = view.inverse()
-        self.select._check(store)
+        self.select.check(store)
+        port = store.port
         out = np.empty(0, np.int64)
         gen = buffer._rng()
         for _ in range(64):
-            w = self.select._draw(store._parts.finder, gen, batch_size, span, 0)
+            w = port.draw(self.select, gen, batch_size, span)
             pos = where[w.rows[:, 0]]
             pos = pos[pos >= 0]
             ep = ep_of[pos]

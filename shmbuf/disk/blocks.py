@@ -85,8 +85,6 @@ class SavedBlocks:
         self.path, self.codec_name, self.block_rows = os.fspath(path), codec, block_rows
         self.entries, self.blocks, self.names = entries, blocks, names
         self.codec = Codec(codec, 1)   # the level matters to encoding only
-        self._order = np.argsort(entries[:, FIRST], kind="stable")
-        self._firsts = entries[self._order, FIRST]
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -162,11 +160,6 @@ class SavedBlocks:
                 col, first, n = (int(x) for x in self.entries[e, :3])
                 columns[self.names[col]][first:first + n] = self._decoded(e, columns)
         _run(run, len(which))
-
-    def in_rows(self, a: int, b: int) -> np.ndarray:
-        """The entries whose first row is in ``[a, b)``."""
-        lo, hi = np.searchsorted(self._firsts, [a, b])
-        return self._order[lo:hi]
 
     def cut(self, cut: int, columns: dict) -> SavedBlocks:
         """The blocks of rows ``cut`` on, renumbered from 0 (``checkpoint.newest_rows``);

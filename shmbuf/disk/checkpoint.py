@@ -28,22 +28,23 @@ import numpy as np
 
 from ..protocol.layout import EP_COLUMN, PRIORITY_COLUMN
 from ..protocol.ring import Ring
+from ..writing.cast import host_array
 from ..writing.compress import META_KEY
 from .blocks import Placer, SavedBlocks
 
 FORMAT = "shmbuf-steps-v1"
 
 
-def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
-              empty: Callable[[str, int], np.ndarray]) -> tuple:
+def copy_live(port, names: list[str], empty: Callable[[str, int], np.ndarray]) -> tuple:
     """Copy the live rows of ``names`` into ``empty(name, rows)`` arrays, oldest chunk first.
 
     Returns ``(arrays, stream, original, starts, n)``: the first ``n`` rows
     of each array, and of the int64 ``stream`` (split at holes) and
     ``original`` (the writer's stream id) arrays, are whole chunks, which
     begin at the rows ``starts``; rows past ``n`` are unused (chunks
-    recycled while they were copied).
+    recycled while they were copied).  ``port``: the buffer's ``StorePort``.
     """
+    ring = port.ring
     live = ring.live_chunks()
     total = int(live.count.sum())
     out = {name: empty(name, total) for name in names}
@@ -60,7 +61,7 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
                 out[name][at:at + count] = read(name)
 
     ids = StreamIds(int(live.stream.max()) + 1 if total else 0)
-    for i, sid in copy_chunks(ring, live, copy, ids, views):
+    for i, sid in copy_chunks(port, live, copy, ids):
         count = int(live.count[i])
         stream[at:at + count] = sid
         original[at:at + count] = live.stream[i]
@@ -69,9 +70,8 @@ def copy_live(ring: Ring, views: dict[str, np.ndarray], names: list[str],
     return out, stream, original, np.array(starts, np.int64), at
 
 
-def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int, Callable], None],
-                ids: "StreamIds", views: dict[str, np.ndarray]):
-    """Copy ``chunks`` (``Ring.live_chunks()``, oldest claim first), validating each.
+def copy_chunks(port, chunks, copy: Callable[[int, int, Callable], None], ids: "StreamIds"):
+    """Copy ``chunks`` (``StorePort.live_chunks()``, oldest claim first), validating each.
 
     For each chunk, ``copy(first row, rows, read)`` copies its rows out, where
     ``read(name)`` gives the chunk's rows of column ``name`` (decoded where
@@ -80,8 +80,8 @@ def copy_chunks(ring: Ring, chunks, copy: Callable[[int, int, Callable], None],
     streams at holes).  A chunk recycled during its copy is skipped: the
     caller copies the next one over the same place.
     """
+    ring, views, unpack = port.ring, port.views, port.unpacker
     nxt, nxt_seq = ring.links(chunks.chunk)
-    unpack = ring.unpacker
     for i in range(len(chunks.chunk)):
         base, count = int(chunks.base[i]), int(chunks.count[i])
         if unpack is None:
@@ -158,8 +158,9 @@ def _with_priorities(ring: Ring, state: dict, saved) -> dict:
     return state
 
 
-def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
+def snapshot(port) -> dict[str, Any]:
     """``{"format", "spec", "columns": {name: array}, "stream", "episode"}``, oldest first."""
+    ring = port.ring
     lay = ring.layout
     names = _names(ring)
 
@@ -169,7 +170,7 @@ def snapshot(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
         col = lay.column(name)
         return np.empty((n,) + col.shape, col.dtype)
 
-    out, stream, original, starts, n = copy_live(ring, views, names, empty)
+    out, stream, original, starts, n = copy_live(port, names, empty)
     return _with_priorities(ring, {
         "format": FORMAT,
         "spec": {c.name: (list(c.shape), c.dtype.str) for c in lay.user_columns},
@@ -192,10 +193,11 @@ def _torch_dtype(dtype: np.dtype):
         return None
 
 
-def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
+def state_dict(port) -> dict[str, Any]:
     """The checkpoint as torch tensors and plain values: one copy of the live rows."""
     import torch
 
+    ring = port.ring
     lay = ring.layout
     names = _names(ring)
     tensors: dict[str, Any] = {}
@@ -214,7 +216,7 @@ def state_dict(ring: Ring, views: dict[str, np.ndarray]) -> dict[str, Any]:
             tensors[name] = torch.empty((n,) + col.shape, dtype=tdtype)
         return _raw_view(tensors[name], col.dtype, (n,) + col.shape)
 
-    out, stream, original, starts, n = copy_live(ring, views, names, empty)
+    out, stream, original, starts, n = copy_live(port, names, empty)
     ends = episode_ends(ring, original[:n], out[EP_COLUMN][:n])
     del out   # views without a reference count on the storage: drop them before _shrink
     for name, t in tensors.items():
@@ -284,10 +286,8 @@ def from_state_dict(state: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numpy(value, what: str) -> np.ndarray:
-    if type(value).__module__.startswith("torch"):
-        return value.detach().cpu().numpy()
-    if isinstance(value, np.ndarray):
-        return value
+    if type(value).__module__.startswith("torch") or isinstance(value, np.ndarray):
+        return host_array(value)
     raise ValueError(f"{what}: expected a tensor, got {type(value).__name__}")
 
 
@@ -326,7 +326,7 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
                              ">= 0 (NaN: never set)")
 
 
-def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
+def restore(buf, port, state: dict[str, Any]) -> None:
     """Replace the buffer's contents with the checkpoint ``state``, through writers.
 
     One writer per stream.  The first row of each chunk is written in the
@@ -337,6 +337,7 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
     ``end_episode`` cut.
     """
     check_compatible(buf, state)
+    ring = port.ring
     stream = np.asarray(state["stream"])
     n = len(stream)
     ends = np.asarray(state.get("ends", np.full(n, -1, np.int64)))
@@ -350,9 +351,9 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
             saved = saved.cut(n - buf.capacity, state["columns"])
         state, stream, ends, starts = newest_rows(state, stream, ends, starts, buf.capacity)
         n = len(stream)
-    placer = None if saved is None else _placer(buf, ring, saved, stream, state["columns"])
+    placer = None if saved is None else _placer(buf, port, saved, stream, state["columns"])
     ring.clear()
-    replay = _Replay(buf, state, ends, placer)
+    replay = _Replay(buf, port, state, ends, placer)
     try:
         for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
             replay.schedule(int(stream[a]), a, b)
@@ -363,10 +364,10 @@ def restore(buf, ring: Ring, state: dict[str, Any]) -> None:
         replay.close()
 
 
-def _placer(buf, ring: Ring, saved: SavedBlocks, stream: np.ndarray, columns: dict) -> Placer:
+def _placer(buf, port, saved: SavedBlocks, stream: np.ndarray, columns: dict) -> Placer:
     """Where the save's compressed blocks go (``blocks.Placer``); the blocks that can go
     nowhere compressed are decoded into ``columns`` now."""
-    words, unpack = ring.packing, ring.unpacker
+    words, unpack = port.packing, port.unpacker
     conf = buf.meta.get(META_KEY)
     if words is None or unpack is None or not isinstance(conf, dict):
         return Placer(saved, None, "", 0, stream, columns)
@@ -412,14 +413,14 @@ def _restore_priorities(ring: Ring, replay: "_Replay", stream: np.ndarray, state
                                zip(live.base[mine], live.count[mine])] or [np.empty(0, np.int64)])
         theirs = np.flatnonzero(stream == sid)
         if len(rows):
-            pri.restore(rows, np.ascontiguousarray(saved[theirs[-len(rows):]]))
+            pri.restore(ring.step_ids(rows), np.ascontiguousarray(saved[theirs[-len(rows):]]))
 
 
 class _Replay:
     """Writers for the checkpoint's streams, and the rows each may still write."""
 
-    def __init__(self, buf, state, ends: np.ndarray, placer: Placer | None = None):
-        self.buf = buf
+    def __init__(self, buf, port, state, ends: np.ndarray, placer: Placer | None = None):
+        self.port = port
         self.episode = np.asarray(state["episode"])
         self.columns = {k: np.asarray(v) for k, v in state["columns"].items()}
         # A save's compressed blocks (a load), and per stream the columns of the chunk it
@@ -455,7 +456,7 @@ class _Replay:
         room = w._room()
         if room:
             return self.unwritten.get(sid, frozenset()), min(room, want)
-        ring = self.buf._parts.ring
+        ring = self.port.ring
         rows = int(ring.chunk_rows[ring.next_claim()])
         names, mask, entries = placer.chunk(row, rows)
         chunk, seq, rows_got = w._claim_next(names)
@@ -464,7 +465,8 @@ class _Replay:
             names = frozenset()
         if names:
             try:
-                put = ring.packing.put_packed(chunk, seq, mask, placer.slot_bytes(entries, row))
+                put = self.port.packing.put_packed(chunk, seq, mask,
+                                                   placer.slot_bytes(entries, row))
             except BaseException:
                 ring.reserve_rows(chunk, names)   # the claimed chunk stays writable
                 raise
@@ -529,7 +531,7 @@ class _Replay:
         w = self.writers.get(sid)
         if w is None:
             # limited=False: restores are not rate limited
-            w = self.writers[sid] = self.buf._parts.writer(False)
+            w = self.writers[sid] = self.port.writer(False)
         j = self.prev.get(sid)
         if j is not None and j >= 0 and self.episode[row] != self.episode[j] and not (
                 self.done is not None and self.done[j]):

@@ -1,6 +1,6 @@
 """Save keyed rings (a HistoryBuffer's) to disk while workers append, and open the save.
 
-A save is a directory like a step store's (``_saving``), readable by numpy alone:
+A save is a directory like a step store's (``disk.save``), readable by numpy alone:
 
   manifest.json   {"format": "shmbuf-save", "version": 1, "kind": "keyed", "rows": n,
                    "n_keys": k, "max_len": m, "spec": {column: {"shape": [...],
@@ -31,17 +31,8 @@ import time
 import numpy as np
 
 from ..protocol.layout import normalize_spec
-from .save import (
-    FORMAT,
-    VERSION,
-    _bad,
-    _Column,
-    _open_column,
-    _prepare_dir,
-    _write_manifest,
-    read_json,
-    saved_by,
-)
+from .save import _Column, _prepare_dir, _write_manifest
+from .saved import FORMAT, VERSION, bad_save, open_column, read_json, saved_by
 
 KIND = "keyed"
 LENGTHS = "_lengths"
@@ -105,24 +96,24 @@ def open_save(path, made_by: str) -> tuple[dict, np.ndarray, dict[str, np.ndarra
     manifest = read_json(path)
     meta = manifest.get("meta")
     if manifest.get("kind") != KIND or not isinstance(meta, dict) or meta.get("facade") != made_by:
-        raise _bad(path, f"it was saved by {saved_by(manifest)}, not by a {made_by}; "
+        raise bad_save(path, f"it was saved by {saved_by(manifest)}, not by a {made_by}; "
                          "load it with that class's load, or shmbuf.load")
     for key, least in (("rows", 0), ("n_keys", 1), ("max_len", 1)):
         value = manifest.get(key)
         if type(value) is not int or value < least:
-            raise _bad(path, f"manifest field {key!r} is {value!r}")
+            raise bad_save(path, f"manifest field {key!r} is {value!r}")
     try:
         spec = normalize_spec({k: (tuple(v["shape"]), v["dtype"])
                                for k, v in manifest["spec"].items()})
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise _bad(path, f"its schema is invalid ({exc!r})") from None
+        raise bad_save(path, f"its schema is invalid ({exc!r})") from None
     manifest["spec"] = spec
     rows, n_keys, max_len = manifest["rows"], manifest["n_keys"], manifest["max_len"]
-    lengths = np.array(_open_column(path, LENGTHS, np.dtype(np.int64), (), n_keys))
+    lengths = np.array(open_column(path, LENGTHS, np.dtype(np.int64), (), n_keys))
     if (lengths < 0).any() or (lengths > max_len).any() or int(lengths.sum()) != rows:
-        raise _bad(path, f"{LENGTHS}.npy does not give {n_keys} keys 0 to {max_len} entries "
+        raise bad_save(path, f"{LENGTHS}.npy does not give {n_keys} keys 0 to {max_len} entries "
                          f"adding up to the manifest's {rows} rows")
-    columns = {name: _open_column(path, name, dtype, shape, rows)
+    columns = {name: open_column(path, name, dtype, shape, rows)
                for name, (shape, dtype) in spec.items()}
     return manifest, lengths, columns
 

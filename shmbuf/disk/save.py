@@ -1,45 +1,6 @@
-"""Save a buffer to disk while writers run, and open a save for loading.
+"""Save a buffer to disk while writers run: ``save`` and the incremental ``Saver``.
 
-A save is a directory that numpy alone can read:
-
-  manifest.json   {"format": "shmbuf-save", "version": 1, "rows": n, "following": bool,
-                   "spec": {column: {"shape": [...], "dtype": "<f4"}}, "done_key",
-                   "capacity", "chunk_size", "meta", "source", "saved_ns"}
-  COLUMN.npy      one per column: (n, *shape), the steps in the order below
-  _stream.npy     (n,) int64: the stream of each step (a new id where a stream has a gap)
-  _episode.npy    (n,) int64: the episode number of each step within its stream
-  _ends.npy       (n,) int64: where a finished episode ends, the number it had in the
-                  buffer's episode index (the order episodes ended), else -1
-  _chunks.npy     (c,) int64: the first row of each saved chunk, in claim order
-  _priorities.npy (n,) float32, buffers with priorities only: the priority set for each
-                  step, NaN where none was (the manifest's "max_priority" is the largest
-                  ever set, null if none)
-  _packed.npy     (m, 6) int64, buffers created with ``compress=`` only: one entry per
-                  compressed block saved as it was in shared memory: (column's index in
-                  the spec, first row, rows, byte offset in _blocks.npy, bytes, CRC-32
-                  of those bytes); saves made before the CRC have 5 fields
-  _blocks.npy     (b,) uint8: those blocks, back to back
-
-A compressing buffer's chunks that are compressed in shared memory are saved
-as they are: their blocks are copied to ``_blocks.npy`` (no decode, no
-encode) and their rows in ``COLUMN.npy`` are left unwritten (holes, which a
-file system stores as nothing, and numpy reads as zeros).  Such a save says
-``"version": 2`` and names the codec under ``"packed"``, so a shmbuf that
-reads only version 1 refuses it instead of loading zeros; a save with no
-compressed block (every save of a buffer without ``compress=``) is version 1,
-as before.  ``load`` checks every block's CRC and puts the blocks back into
-the new buffer's chunks as they are, decoding only those it cannot keep
-(``disk.blocks``).
-
-``np.load("save/obs.npy", mmap_mode="r")`` maps a column without reading it.
-Why this format: it is columnar like the buffer, so saving is one write per
-chunk and column straight from shared memory, with no copy and no pickle;
-``.npy`` is the one format every numpy reads, mmap-able, so loading (or
-inspecting) a save larger than RAM works; and appending rows changes only a
-fixed-size header, which the incremental mode rewrites in place.  (An
-``.npz`` is a zip: no mmap for compressed members, and appending means
-rewriting its directory.  HDF5 or torch.save would add a dependency or a
-pickle.)
+The format, and how a save is read back, is ``disk.saved``'s.
 
 Rows are whole chunks in the order they were claimed, oldest first; within
 a stream that is step order, so the steps of episode ``e`` of stream ``s``
@@ -52,7 +13,7 @@ steps get a new stream id, so that loading never splices across the gap.
 incomplete, and ``load`` trusts no more rows than the manifest names.
 
 Keyed rings (a HistoryBuffer) save to the same kind of directory, with
-``"kind": "keyed"`` in the manifest and their own files: ``_keyed_saving``.
+``"kind": "keyed"`` in the manifest and their own files: ``disk.keyed_save``.
 A manifest without ``kind`` is a step store's.
 """
 from __future__ import annotations
@@ -68,21 +29,26 @@ import zlib
 import numpy as np
 from numpy.typing import DTypeLike
 
-from .._errors import BufferClosedError, CorruptSaveError, SaveExistsError
-from ..protocol.layout import EP_COLUMN, normalize_spec
-from .blocks import SavedBlocks
-from .checkpoint import FORMAT as STATE_FORMAT
+from .._errors import BufferClosedError, SaveExistsError
+from ..protocol.layout import EP_COLUMN
 from .checkpoint import StreamIds, copy_chunks
+from .saved import (
+    BLOCKS,
+    CHUNKS,
+    ENDS,
+    ENTRY_FIELDS,
+    EPISODE,
+    FORMAT,
+    MANIFEST,
+    PACKED,
+    PACKED_VERSION,
+    PRIORITIES,
+    STREAM,
+    VERSION,
+)
 
-FORMAT, VERSION = "shmbuf-save", 1
-PACKED_VERSION = 2  # a save holding compressed blocks (_packed.npy, _blocks.npy)
-MANIFEST = "manifest.json"
-STREAM, EPISODE, ENDS, CHUNKS = "_stream", "_episode", "_ends", "_chunks"
-PRIORITIES = "_priorities"
-PACKED, BLOCKS = "_packed", "_blocks"
 NPY_HEADER = 256  # bytes: room for any shape, so appending rewrites it in place
 GAP_IDS = 1 << 48  # stream ids given to a stream's steps after a gap
-ENTRY_FIELDS = 6    # of a _packed.npy entry (5 in saves made before the CRC)
 INDEX_BATCH = 1 << 14  # episode index entries read at once (1 MiB of entries)
 
 
@@ -158,9 +124,10 @@ class _Writer:
     """The files of one save and the bookkeeping that keeps streams whole."""
 
     def __init__(self, buf, path: str, rows: int = 0):
-        self.buf, self.path, self.ring = buf, os.fspath(path), buf._parts.ring
+        port = buf.port
+        self.buf, self.path, self.port, self.ring = buf, os.fspath(path), port, port.ring
         lay = self.ring.layout
-        self.views = buf._parts.views
+        self.views = port.views
         self.columns = {c.name: _Column(os.path.join(self.path, c.name + ".npy"), c.dtype,
                                         c.shape, rows) for c in lay.user_columns}
         self.columns[STREAM] = _Column(os.path.join(self.path, STREAM + ".npy"), np.int64, (),
@@ -175,7 +142,7 @@ class _Writer:
         self.n_chunks = 0
         # Compressed blocks copied as they are (a compressing buffer only): the entries
         # and bytes of kept chunks, and what the chunk being copied adds (kept or not).
-        self.unpack = self.ring.unpacker
+        self.unpack = port.unpacker
         self.packed: _Column | None = None
         self.blocks: _Column | None = None
         self.n_packed = self.n_bytes = 0
@@ -216,7 +183,7 @@ class _Writer:
                     col.write(self.rows, read(name))
 
         kept = 0
-        for i, sid in copy_chunks(self.ring, chunks, copy, self.ids, self.views):
+        for i, sid in copy_chunks(self.port, chunks, copy, self.ids):
             kept += 1
             self._keep_packed()
             count, stream = int(chunks.count[i]), int(chunks.stream[i])
@@ -339,7 +306,7 @@ class _Writer:
             "done_key": buf.done_key, "capacity": lay.capacity, "chunk_size": lay.chunk_size,
             "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name,
             "saved_ns": time.time_ns(),
-            **_rate_manifest(buf),
+            **_rate_manifest(self.port.limiter),
             **({"priorities": True, "max_priority": self.ring.priorities.largest_set()}
                if self.ring.priorities is not None else {}),
         }
@@ -350,25 +317,11 @@ class _Writer:
                 col.close()
 
 
-def _rate_manifest(buf) -> dict:
+def _rate_manifest(limiter) -> dict:
     """The rate limit and its counters, so that a loaded buffer holds the ratio on."""
-    limiter = buf._parts.limiter
     if limiter is None:
         return {}
     return {"rate_limit": limiter.limit().to_json(), "rate": limiter.state()}
-
-
-def _rate_limit(path, manifest: dict):
-    """The manifest's ``RateLimit`` (or None); CorruptSaveError if it is not one."""
-    from ..writing.ratelimit import RateLimit
-
-    spec = manifest.get("rate_limit")
-    if spec is None:
-        return None
-    try:
-        return RateLimit(**spec)
-    except (TypeError, ValueError) as exc:
-        raise _bad(path, f"its rate_limit {spec!r} is not a RateLimit ({exc})") from None
 
 
 def _write_manifest(path: str, manifest: dict, durable: bool) -> None:
@@ -424,7 +377,7 @@ class Saver:
         if not (isinstance(interval, (int, float)) and interval > 0):
             raise ValueError(f"interval must be a number of seconds > 0, got {interval!r}")
         self.path, self.interval, self.durable = os.fspath(path), float(interval), durable
-        self._buf = buf
+        self._buf, self._port = buf, buf.port
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -498,7 +451,7 @@ class Saver:
             with self._lock:
                 out, self._out = self._out, None
             out.close()
-            self._buf._savers.discard(self)
+            self._port.savers.discard(self)
         if self._error is not None:
             raise self._error
 
@@ -507,177 +460,3 @@ class Saver:
 
     def __exit__(self, *exc):
         self.close()
-
-
-# -- reading -------------------------------------------------------------------------
-def _bad(path, why: str) -> CorruptSaveError:
-    return CorruptSaveError(f"{os.fspath(path)!r} is not a usable shmbuf save: {why}")
-
-
-def read_json(path) -> dict:
-    """The manifest of the save at ``path``, of this format and version; not checked further.
-
-    Raises FileNotFoundError (no directory) or CorruptSaveError.
-    """
-    path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(2, f"no shmbuf save at {path!r} (not a directory)")
-    try:
-        with open(os.path.join(path, MANIFEST), "rb") as f:
-            manifest = json.loads(f.read(1 << 20).decode())
-    except FileNotFoundError:
-        raise _bad(path, f"it has no {MANIFEST} (a save that never finished?)") from None
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise _bad(path, f"{MANIFEST} is not readable JSON ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise _bad(path, f"{MANIFEST} is not a {FORMAT!r} manifest")
-    if manifest.get("version") not in (VERSION, PACKED_VERSION):
-        raise _bad(path, f"it has save format version {manifest.get('version')!r} but this "
-                         f"shmbuf reads versions {VERSION} and {PACKED_VERSION}")
-    return manifest
-
-
-def saved_by(manifest: dict) -> str:
-    """Who made the save of ``manifest``: a facade's name, or the plain kind."""
-    meta = manifest.get("meta")
-    made_by = meta.get("facade") if isinstance(meta, dict) else None
-    if made_by:
-        return str(made_by)
-    return "plain keyed rings" if manifest.get("kind") else "a plain shmbuf Buffer"
-
-
-def read_manifest(path) -> dict:
-    """The checked manifest of a step store's save at ``path``; CorruptSaveError if off."""
-    manifest = read_json(path)
-    if manifest.get("kind") is not None:
-        raise _bad(path, f"it was saved by {saved_by(manifest)} (kind "
-                         f"{manifest['kind']!r}), not by a step store; load it with that "
-                         "class's load, or shmbuf.load")
-    for key, kind in (("rows", int), ("chunks", int), ("capacity", int), ("chunk_size", int),
-                      ("meta", dict), ("spec", dict)):
-        value = manifest.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or (
-                kind is int and value < (0 if key in ("rows", "chunks") else 1)):  # type: ignore[operator]  # an int
-            raise _bad(path, f"manifest field {key!r} is {value!r}")
-    try:
-        manifest["spec"] = normalize_spec({k: (tuple(v["shape"]), v["dtype"])
-                                           for k, v in manifest["spec"].items()})
-    except (TypeError, ValueError, KeyError, AttributeError) as exc:
-        raise _bad(path, f"its schema is invalid ({exc})") from None
-    done = manifest.get("done_key")
-    if done is not None and (done not in manifest["spec"] or manifest["spec"][done][0] != ()):
-        raise _bad(path, f"done_key {done!r} is not a scalar column of its schema")
-    return manifest
-
-
-def _open_column(path, name: str, dtype: np.dtype, shape: tuple, rows: int,
-                 mode: str = "r") -> np.ndarray:
-    """``rows`` rows of ``name``.npy, memory-mapped (``mode``: "r", or "c" copy-on-write),
-    after checking its header and size."""
-    file = os.path.join(os.fspath(path), name + ".npy")
-    try:
-        with open(file, "rb") as f:
-            version = np.lib.format.read_magic(f)
-            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                      else np.lib.format.read_array_header_2_0)
-            got_shape, fortran, got_dtype = header(f)
-            offset = f.tell()
-        size = os.path.getsize(file)
-    except FileNotFoundError:
-        raise _bad(path, f"{name}.npy is missing") from None
-    except (OSError, ValueError, SyntaxError, TypeError) as exc:
-        raise _bad(path, f"{name}.npy is not a readable .npy file ({exc})") from None
-    if got_dtype != dtype or fortran or tuple(got_shape[1:]) != shape or not got_shape:
-        raise _bad(path, f"{name}.npy holds {got_dtype} {tuple(got_shape)}, but the manifest "
-                         f"says {dtype} (n, *{shape}): the schema does not match")
-    need = offset + rows * dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    if got_shape[0] < rows or size < need:
-        raise _bad(path, f"{name}.npy is truncated: it holds {got_shape[0]} rows in {size} "
-                         f"bytes, the manifest names {rows} ({need} bytes)")
-    if rows == 0:
-        return np.empty((0,) + shape, dtype)
-    return np.memmap(file, dtype, mode, offset, (rows,) + shape)  # type: ignore[call-overload]  # "r" or "c"
-
-
-def _packed_entries(path, manifest: dict) -> np.ndarray:
-    """The checked ``(m, 6)`` (or, saved before the CRC, ``(m, 5)``) entries of a version 2
-    save's compressed blocks (else none)."""
-    if manifest["version"] != PACKED_VERSION:
-        return np.empty((0, ENTRY_FIELDS), np.int64)
-    info = manifest.get("packed")
-    ok = isinstance(info, dict) and all(
-        isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] >= 0
-        for k in ("blocks", "bytes", "block_rows"))
-    if not ok or not isinstance(info.get("codec"), str):   # type: ignore[union-attr]
-        raise _bad(path, f"manifest field 'packed' is {info!r}")
-    assert isinstance(info, dict)
-    from ..sampling.codec import CODECS
-    if info["codec"] not in CODECS:
-        raise _bad(path, f"its blocks use codec {info['codec']!r}, which this shmbuf does not "
-                         f"know (it knows {sorted(CODECS)})")
-    width = _entry_width(path)
-    table = _open_column(path, PACKED, np.dtype(np.int64), (width,), info["blocks"])
-    col, first, n, off, length = (table[:, i] for i in range(5))
-    if len(table) and ((col < 0).any() or (col >= len(manifest["spec"])).any()
-                       or (first < 0).any() or (n <= 0).any()
-                       or (first + n > manifest["rows"]).any() or (off < 0).any()
-                       or (length < 0).any() or (off + length > info["bytes"]).any()):
-        raise _bad(path, f"{PACKED}.npy names blocks outside the rows or outside "
-                         f"{BLOCKS}.npy")
-    return np.asarray(table)
-
-
-def _entry_width(path) -> int:
-    """The fields of an entry of ``_packed.npy``: 6, or 5 in a save made before the CRC."""
-    try:
-        with open(os.path.join(os.fspath(path), PACKED + ".npy"), "rb") as f:
-            version = np.lib.format.read_magic(f)
-            header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
-                      else np.lib.format.read_array_header_2_0)
-            shape = header(f)[0]
-    except (OSError, ValueError, SyntaxError, TypeError):
-        return ENTRY_FIELDS   # _open_column says what is wrong with it
-    return 5 if tuple(shape[1:]) == (5,) else ENTRY_FIELDS
-
-
-def open_save(path) -> tuple[dict, dict]:
-    """(manifest, state): the save as ``Buffer.restore`` takes it, memory-mapped."""
-    manifest = read_manifest(path)
-    rows = manifest["rows"]
-    packed = _packed_entries(path, manifest)
-    names = list(manifest["spec"])
-    unpacked = {names[i] for i in np.unique(packed[:, 0]).tolist()}
-    # A column with compressed blocks is mapped copy-on-write: the blocks that are decoded
-    # (not kept compressed) write only the rows they fill (in private memory), and the
-    # file stays as it is.
-    columns = {k: _open_column(path, k, dt, shape, rows, "c" if k in unpacked else "r")
-               for k, (shape, dt) in manifest["spec"].items()}
-    saved = None
-    if len(packed):
-        info = manifest["packed"]
-        saved = SavedBlocks(path, info["codec"], info["block_rows"], packed,
-                            _open_column(path, BLOCKS, np.dtype(np.uint8), (), info["bytes"]),
-                            names)
-        saved.check(columns)   # before anything is created: a damaged save creates nothing
-    i8 = np.dtype(np.int64)
-    stream = _open_column(path, STREAM, i8, (), rows)
-    episode = _open_column(path, EPISODE, i8, (), rows)
-    ends = _open_column(path, ENDS, i8, (), rows)
-    chunks = _open_column(path, CHUNKS, i8, (), manifest["chunks"])
-    if len(chunks) and (chunks[0] != 0 or (np.diff(chunks) <= 0).any() or chunks[-1] >= rows):
-        raise _bad(path, f"{CHUNKS}.npy does not list increasing chunk starts within the rows")
-
-    state: dict = {"format": STATE_FORMAT,
-                   "spec": {k: (list(shape), dt.str)
-                            for k, (shape, dt) in manifest["spec"].items()},
-                   "columns": columns, "stream": stream, "episode": episode, "ends": ends,
-                   "chunks": chunks}
-    if saved is not None:
-        state["packed"] = saved   # restore puts them back compressed (or decodes them)
-    if manifest.get("priorities") is True:
-        state["priorities"] = _open_column(path, PRIORITIES, np.dtype(np.float32), (), rows)
-        top = manifest.get("max_priority")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
-            raise _bad(path, f"manifest field 'max_priority' is {top!r}")
-        state["max_priority"] = None if top is None else float(top)
-    return manifest, state

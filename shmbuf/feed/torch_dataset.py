@@ -49,7 +49,8 @@ def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: 
     if not isinstance(time_major, (bool, np.bool_)):
         raise TypeError(f"time_major must be True or False, got {time_major!r}")
     uniform, newest, select = (sample_kwargs.get(k) for k in ("uniform", "newest", "select"))
-    batch_size, length, tail, _ = buffer._sample_args(
+    door = buffer.port   # a Buffer's StorePort, or a ShardedBuffer's own checks
+    batch_size, length, tail, _ = door.sample_args(
         batch_size, length, sample_kwargs.get("tail", 0), uniform, newest, select)
     args = {"batch_size": batch_size, "length": length, "time_major": bool(time_major),
             "tail": tail, "uniform": uniform, "newest": newest, "select": select}
@@ -57,11 +58,7 @@ def check_sample_kwargs(buffer, batch_size, length, sample_kwargs: dict, where: 
     if not isinstance(ids, (bool, np.bool_)):
         raise TypeError(f"ids must be True or False, got {ids!r}")
     if ids:
-        check = getattr(buffer, "_check_priorities", None)
-        if check is None:
-            raise ValueError(f"{where}(..., ids=True): {type(buffer).__name__} batches made "
-                             "ahead carry no ids; sample with ids=True directly")
-        check(f"{where}(..., ids=True)")
+        door.check_priorities(f"{where}(..., ids=True)")
         args["ids"] = True   # only when asked: a buffer without ids= samples as before
     return args
 
@@ -95,7 +92,7 @@ def shared_empty(shape: tuple, dtype: np.dtype) -> torch.Tensor:
 def ended(buf) -> bool:
     """True once this handle is closed, or the owner marked the buffer closed (or removed
     its name) in any process: the header's closed word, then the name, as a backstop."""
-    return buf.closed or bool(buf._parts.ring.closed()) or not os.path.exists(
+    return buf.closed or not buf.port.live() or not os.path.exists(
         os.path.join(SHM_DIR, buf.name))
 
 
@@ -113,12 +110,13 @@ class BatchDataset(IterableDataset):
         self._args = check_sample_kwargs(buffer, batch_size, length, sample_kwargs,
                                          "Buffer.dataset")
         self.batches = None if batches is None else check_int("batches", batches, 1)
+        port = buffer.port
         if seed is None:
-            seed = buffer._parts.random.seed
+            seed = port.random.seed
         # Seeded like the buffer by default.  Made here it starts its own stream from the
-        # beginning (_process_rng); unpickled in a worker it continues that process's one
+        # beginning (sampling.rng); unpickled in a worker it continues that process's one
         # stream of this buffer and seed.
-        self._random = ProcessRandom(seed, buffer._parts.owner_pid, buffer.name)
+        self._random = ProcessRandom(seed, port.owner_pid, buffer.name)
         self.name = buffer.name
         self.transform = transform
         self._spec = batch_spec(buffer, self._args)

@@ -3,15 +3,15 @@
 The step store evicts globally (the oldest chunk goes first, whoever wrote
 it).  Per-env history needs the opposite: env 3 keeps its last ``max_len``
 entries however fast env 5 appends.  Keyed rings give that with the same
-segment, header and column machinery, laid out by ``_layout.plan`` with
+segment, header and column machinery, laid out by ``protocol.layout.plan`` with
 ``capacity = n_keys * ring_len`` and ``chunk_size = ring_len``: key ``k``
 owns chunk ``k``'s rows as a ring of ``ring_len = max_len + spare`` slots.
 The header's ``kind`` is ``KIND_KEYED`` and its JSON metadata holds
 ``max_len`` and the caller's ``meta``.
 
 The protocol (which words, in which order, who may write) lives in
-``_keyed_ring``; this module checks arguments, moves the column data, and
-gives keyed rings the lifecycle every shmbuf object has (``_handle``), with
+``protocol.keyed``; this module checks arguments, moves the column data, and
+gives keyed rings the lifecycle every shmbuf object has (``segment.lifecycle.Shared``), with
 the step store's rules for stopping and crashing: every call checks the
 closed mark (a worker whose owner closed the rings gets BufferClosedError),
 ``attach`` refuses closed rings, and ``attach(name, own=True)`` takes over
@@ -204,7 +204,7 @@ class KeyedRings(Shared):
 
         Raises:
             SampleRetryError: appends lapped a key's ring on every one of
-                ``_keyed_ring.MAX_ATTEMPTS`` tries (the ring is too short for
+                ``protocol.keyed.MAX_ATTEMPTS`` tries (the ring is too short for
                 the ingest rate).
 
         Example:
@@ -293,7 +293,7 @@ def create(spec: dict, n_keys: int, max_len: int, *, spare: int = DEFAULT_SPARE,
         name: segment name; generated if None.
         meta: small JSON-serialisable dict kept in the header (``.meta``).
         prefault: map every page now.
-        reservation: a name taken earlier (``_segment.Reservation``) to size
+        reservation: a name taken earlier (``segment.segment.Reservation``) to size
             instead of creating one; ``name`` is then ignored.
 
     Raises:

@@ -1,6 +1,6 @@
 /* Die of a signal after Python has finished: the last step of shmbuf's SIGTERM handling.
  *
- * shmbuf/_signals.py turns SIGTERM into SystemExit so that `with` blocks,
+ * shmbuf/posix/signals.py turns SIGTERM into SystemExit so that `with` blocks,
  * finally clauses, atexit handlers and finalizers run (an owner unlinks its
  * segments).  A process that exits normally then reports status 143, not
  * "killed by SIGTERM".  arm(sig) registers, with Py_AtExit, a function that

@@ -164,7 +164,7 @@ parse(Py_buffer *mm, PyObject *geo, PG *g)
         return -1;
     }
     /* Chunks at or above the claim count were never claimed: their entries may not
-     * even have pages yet (_space), so nothing here reads them. */
+     * even have pages yet (posix/space.py), so nothing here reads them. */
     uint64_t tickets = atomic_load_explicit(word(g, g->s.ticket), memory_order_acquire);
     g->claimed = tickets < (uint64_t)g->s.n_chunks ? (int64_t)tickets : g->s.n_chunks;
     return 0;
@@ -172,7 +172,7 @@ parse(Py_buffer *mm, PyObject *geo, PG *g)
 
 /* -- the tree ------------------------------------------------------------------ */
 
-/* What leaf b of tree `tree` should hold now: (count, value); see _layout.PRIORITY_REGIONS. */
+/* What leaf b of tree `tree` should hold now: (count, value); see layout.py: PRIORITY_REGIONS. */
 static void
 leaf_value(const PG *g, int tree, int64_t b, uint64_t *count, float *value)
 {
@@ -766,7 +766,7 @@ done:
  * tree: the index of the tree `propose` used (its exponent e0 <= exponent), or
  * -1 for uniform proposals.
  *
- * rows: (m, L) int64, windows located by _windows.find.  score[i] =
+ * rows: (m, L) int64, windows located by _window_check.find.  score[i] =
  * (maxfrac * max + (1 - maxfrac) * mean) ** exponent of window i's
  * priorities (never-set steps count as `unset`).  `largest` is the bound of
  * every priority: at least the largest ever set and `unset` (the caller's

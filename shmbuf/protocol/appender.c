@@ -75,7 +75,7 @@ stream_fence(void)
  *   - returns -1 having published nothing: a column is missing or unknown, a
  *     value is not an exact ndarray (or numpy scalar) of its column's dtype
  *     and shape, nor a Python bool/int/float that the column holds exactly
- *     (_cast.scalar_fast_path's rules), a float done value is not exactly 0
+ *     (writing/cast.py: scalar_fast_path's rules), a float done value is not exactly 0
  *     or 1, a stream's chunk is full, the
  *     buffer's closed word or its writers_stopped word is set (the Python
  *     path decides what that means),

@@ -49,8 +49,8 @@ import numpy as np
 
 from .._errors import SampleRetryError
 from . import _atomic as atomic
+from .header import ClosedMark
 from .layout import CHUNK_ENTRY, CHUNK_FIELDS, Layout
-from .ring import ClosedMark
 
 MAX_ATTEMPTS = 100
 

@@ -53,10 +53,10 @@ Pure math and struct packing; no I/O.  The whole segment, in one table
 Every atomic counter, slot, chunk and episode entry owns a 64-byte cache
 line, so that writers touching different entries never share a line
 (but writers_stopped, which shares closed's on purpose: ``SHARES_LINE``).  The
-magic is written last, with release order, by ``_ring.publish_header``: an
-attacher that sees it sees the whole header.  Only ``_ring`` (and
-``keyed``'s own protocol) load or store the atomic words; everything else
-calls them.
+magic is written last, with release order, by ``header.publish_header``: an
+attacher that sees it sees the whole header.  Only the modules of
+``protocol/`` load or store the atomic words (``ring`` the step store's,
+``keyed`` its own); everything else calls them.
 """
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ DEFAULT_MAX_WRITERS = 128
 EP_COLUMN = "_ep"
 T_COLUMN = "_t"
 # Columns of every step store after the user's, in this order: written by the
-# protocol (_ring), never by users.
+# protocol (protocol.ring), never by users.
 INTERNAL_COLUMNS = (EP_COLUMN, T_COLUMN)
 PRIORITY_COLUMN = "_p"
 
@@ -200,7 +200,7 @@ STARTS_BITS = 31
 STARTS_UNTRACKED = (1 << 64) - 1
 
 # Episode index entry, one per finished episode, written by the writer that
-# ended it (see _ring.EpisodeLog): seq is 2i+1 while entry i is written and
+# ended it (see Ring.log_episode): seq is 2i+1 while entry i is written and
 # 2i+2 once published; the episode starts at row ``offset`` of ``chunk``
 # (whose state seq was ``chunk_seq``) and runs ``length`` steps along its
 # stream; ``ep`` is its number in the stream's ``_ep`` column; flags bit 0 is
@@ -217,7 +217,18 @@ def pack_chunk_state(seq: int, sealed: bool, slot: int, lease: int) -> int:
 
 
 def unpack_chunk_state(state: int) -> tuple[int, bool, int, int]:
+    """``(seq, sealed, slot, lease)`` of one chunk state word."""
     return state >> 32, bool(state & SEALED), (state >> SLOT_SHIFT) & NO_SLOT, state & 0xFFFF
+
+
+def chunk_seqs(states: np.ndarray) -> np.ndarray:
+    """The seq field (int64) of each chunk state word of ``states`` (uint64)."""
+    return (np.asarray(states, np.uint64) >> np.uint64(32)).astype(np.int64)
+
+
+def chunks_sealed(states: np.ndarray) -> np.ndarray:
+    """True where a chunk state word of ``states`` (uint64) has its sealed bit."""
+    return (np.asarray(states, np.uint64) & np.uint64(SEALED)) != 0
 
 
 @dataclasses.dataclass(frozen=True)

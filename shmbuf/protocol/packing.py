@@ -61,7 +61,6 @@ from ..posix.wait import poll
 from . import _atomic as atomic
 
 RAW, BUSY, PUNCHING, PACKED = 0, 1, 2, 3
-PHASES = ("raw", "busy", "punching", "packed")
 MAX_COLUMNS = 8           # mask bits in a chunk word
 PID_MASK = PID_BITS_MASK   # Linux pids are below 2**22 (pid_max's ceiling)
 READER_SLOTS = 1024       # reader threads attached at once, over all processes
@@ -83,6 +82,15 @@ def pack_word(seq: int, phase: int, mask: int, pid: int) -> int:
 def unpack_word(word: int) -> tuple[int, int, int, int]:
     """``(seq, phase, mask, pid)`` of a chunk word."""
     return word >> 32, (word >> 30) & 3, (word >> 22) & 0xFF, word & PID_MASK
+
+
+def unpack_words(words: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(seq, phase, mask)`` (int64 arrays) of chunk words (uint64): ``unpack_word``
+    for many at once."""
+    w = np.asarray(words, np.uint64)
+    return ((w >> np.uint64(32)).astype(np.int64),
+            ((w >> np.uint64(30)) & np.uint64(3)).astype(np.int64),
+            ((w >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64))
 
 
 def holder_alive(pid: int, stamp: int = 0) -> bool:

@@ -5,37 +5,32 @@ The words themselves are loaded and stored in ``_prio.c``; docs/design.md
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from . import _atomic as atomic
 from . import _prio
-from .layout import COUNTERS
-from .words import _COUNT, _STATE, _TICKET, _U32
+from .layout import COUNTERS, Layout
+from .words import _U32
 
-if TYPE_CHECKING:  # annotations only: the ring builds these objects
-    from .ring import Ring
 
 class Priorities:
     """The shared priorities of a step store (``create(..., priorities=True)``): every
     load and store of their words, through ``_prio.c``.
 
-    Ids: step ``offset`` of the chunk claimed with ticket ``t`` is ``t *
-    chunk_size + offset``.  Tickets only grow, so an id never names another
-    step; it is stale once its chunk's ticket changed (or the chunk is being
-    recycled).  docs/design.md ("Priorities") has the protocol.
+    Steps are named by id (``Ring.step_ids``); ``_prio.c`` maps an id to its row
+    and checks its chunk's claim itself.  The chunk table's words are the ring's:
+    this class touches only the priority regions.  docs/design.md ("Priorities")
+    has the protocol.
     """
 
-    def __init__(self, ring: "Ring"):
-        lay = ring.layout
-        self.ring, self.mm, self.k = ring, ring.mm, lay.chunk_size
-        self.block = lay.priority_block
+    def __init__(self, mm, layout: Layout, geometry):
+        self.mm, self.layout, self.k = mm, layout, layout.chunk_size
+        self.block = layout.priority_block
         self._max_off = COUNTERS["max_priority"]
-        self._prev_off = lay.priority_prev_offset
+        self._prev_off = layout.priority_prev_offset
         # The geometry _prio.c works with: the ring's (protocol.geometry), priority fields included.
-        self.geometry = ring.geometry
-        self.exponents = tuple(e for e, _ in lay.priority_trees)
+        self.geometry = geometry
+        self.exponents = tuple(e for e, _ in layout.priority_trees)
 
     # -- writers (once per chunk) --------------------------------------------------
     def reset(self, chunk: int, ticket: int) -> None:
@@ -45,44 +40,6 @@ class Priorities:
         off = self._prev_off + 16 * successor
         atomic.store_release(self.mm, off + 8, chunk_seq)
         atomic.store_release(self.mm, off, chunk + 1)
-
-    # -- ids -------------------------------------------------------------------------
-    def ids(self, rows: np.ndarray) -> np.ndarray:
-        """The ids of the steps at physical ``rows`` (the caller re-checks the seqs after)."""
-        chunk = rows // self.k
-        tickets = self.ring.chunk_table[chunk, _TICKET].view(np.int64)
-        atomic.fence_acquire()
-        return tickets * self.k + (rows - chunk * self.k)
-
-    def of_ids(self, ids: np.ndarray) -> np.ndarray:
-        """Priorities (float32) of the steps ``ids`` names now; NaN where an id is stale."""
-        rows, held, chunk, state = self.held_rows(ids)
-        value, _ = self.values(np.where(held, rows, 0))
-        held &= self.unchanged(chunk, state)
-        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
-
-    def held_rows(self, ids: np.ndarray):
-        """``(rows, held, chunk, state)`` of the flat int64 ``ids`` now: the row each id
-        names, whether its step is held there, and the chunk and state word to check
-        with ``unchanged`` after the row was read or written."""
-        flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
-        k, table = self.k, self.ring.chunk_table
-        ticket, off = np.divmod(np.maximum(flat, 0), k)
-        chunk = ticket % self.ring.layout.n_chunks
-        claimed = chunk < self.ring.claimed_chunks()   # no entry above it is read
-        chunk = np.where(claimed, chunk, 0)
-        state = table[chunk, _STATE].copy()
-        atomic.fence_acquire()
-        held = (claimed & (flat >= 0) & (off < self.ring.chunk_rows[chunk])
-                & (state >> np.uint64(32) & np.uint64(1) == 0)
-                & (table[chunk, _TICKET].view(np.int64) == ticket)
-                & (table[chunk, _COUNT].view(np.int64) > off))
-        return chunk * k + off, held, chunk, state
-
-    def unchanged(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
-        """True where ``chunk`` still has the ``state`` word ``held_rows`` read."""
-        atomic.fence_acquire()
-        return self.ring.chunk_table[chunk, _STATE] == state
 
     # -- values ----------------------------------------------------------------------
     def largest(self) -> float:
@@ -122,10 +79,10 @@ class Priorities:
         value[~explicit] = np.nan
         return value
 
-    def restore(self, rows: np.ndarray, saved: np.ndarray) -> None:
-        """Set the steps at committed ``rows`` to ``saved`` (a checkpoint's; NaN: never set)."""
+    def restore(self, ids: np.ndarray, saved: np.ndarray) -> None:
+        """Set the steps ``ids`` (int64) to ``saved`` (a checkpoint's; NaN: never set)."""
         keep = ~np.isnan(saved)
-        self.update(np.ascontiguousarray(self.ids(rows[keep])),
+        self.update(np.ascontiguousarray(ids[keep], np.int64),
                     np.ascontiguousarray(saved[keep], np.float32))
 
     # -- the draw --------------------------------------------------------------------
@@ -164,7 +121,7 @@ class Priorities:
 
     def leaf_bounds(self, tree: int) -> np.ndarray:
         """Each block's bound as tree ``tree``'s leaves hold it now (float64; tests)."""
-        exponent, levels = self.ring.layout.priority_trees[tree]
+        exponent, levels = self.layout.priority_trees[tree]
         at, n = levels[0]
         leaves = np.frombuffer(self.mm, np.uint64, n, at).copy()
         atomic.fence_acquire()

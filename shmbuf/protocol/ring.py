@@ -16,7 +16,7 @@ Where a step becomes visible: ``Streams.publish`` stores the chunk's new row
 count with release order after every column of the row was written, so a
 reader that sees the count sees the row.
 
-Where pages are reserved (``_space``): the claimant of chunk ticket ``t``
+Where pages are reserved (``posix.space``): the claimant of chunk ticket ``t``
 of the first lap reserves chunk ``t``'s entry and rows before its CAS moves
 the ticket past ``t``, and the writer of episode entry ``i`` reserves it
 before the episode ticket moves past ``i``.  So every chunk entry, chunk row
@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import numpy as np
 
@@ -45,7 +45,6 @@ from .layout import (
     COUNTERS,
     EPISODE_ENTRY,
     NO_SLOT,
-    SEALED,
     SLOT_ENTRY,
     SLOT_FIELDS,
     STARTS_BITS,
@@ -53,13 +52,14 @@ from .layout import (
     T_COLUMN,
     TERMINAL,
     Layout,
+    chunk_seqs,
+    chunks_sealed,
     pack_chunk_state,
     unpack_chunk_state,
 )
 from .pins import PIN_WAIT, Pins
 from .priorities import Priorities
 from .rate import RateWords
-from .streams import Slot
 from .words import (
     _CLOCK,
     _COUNT,
@@ -82,10 +82,6 @@ from .words import (
     _TICKET,
     _U32,
 )
-
-if TYPE_CHECKING:
-    from ..sampling.unpack import Unpacker
-    from .packing import PackWords
 
 # Copy rows of step data into the segment (same bytes as a numpy assignment,
 # with streaming stores for big rows, then a store fence), so that the
@@ -183,15 +179,14 @@ class Ring:
             offset=layout.episodes_offset).reshape(layout.episode_slots, -1)
         # Chunks of 2**31 rows or more do not fit the starts word: readers use _ep.
         self.starts_reset = 0 if k <= _STARTS_MAX else STARTS_UNTRACKED
-        self.priorities = Priorities(self) if layout.priorities else None
+        self.priorities = Priorities(mm, layout, self.geometry) if layout.priorities else None
         self.pins = Pins(mm, layout.chunks_offset)   # write_steps' pins (protocol.pins)
         self._pin_seen = False   # claim_chunk: a chunk was skipped for its pin this lap
-        # A compressing buffer's packing words and the reader of its packed rows, which
-        # every copy goes through (set by its Buffer).
-        self.packing: PackWords | None = None
-        self.unpacker: Unpacker | None = None
+        # A compressing buffer's recycle hook (``PackWords.on_recycle``, set by its Buffer):
+        # a packed chunk gets its raw pages back before it is written again.
+        self.on_recycle: Callable[[int], bool] | None = None
 
-    # -- reserving pages before a ticket makes them readable (see _space) -----------
+    # -- reserving pages before a ticket makes them readable (posix.space) ------------
     def _take(self, name: str, prepare) -> int:
         """Add 1 to counter ``name`` and return its value before, calling
         ``prepare(value)`` first, so that the pages ``value`` makes readable are
@@ -350,8 +345,9 @@ class Ring:
         return int(self.chunk_base[claimed - 1] + self.chunk_rows[claimed - 1]) if claimed else 0
 
     # -- writer slots -----------------------------------------------------------
-    def claim_slot(self) -> "Slot":
-        """Take a free slot, or the slot of a dead process."""
+    def take_slot(self) -> tuple[int, int]:
+        """Take a free slot, or the slot of a dead process: ``(slot, lease)``
+        (``streams.claim_slot`` makes the writer's ``Slot`` of it)."""
         pid, start = os.getpid(), my_start_time()
         for steal in (False, True):
             for slot in range(self.layout.max_writers):
@@ -364,7 +360,7 @@ class Ring:
                 if atomic.compare_exchange(self.mm, off, state, (lease << 32) | pid):
                     atomic.store_release(self.mm, self.layout.slot_field(slot, "start_time"),
                                          (start << 16) | (lease & 0xFFFF))
-                    return Slot(self, slot, lease)
+                    return slot, lease
         raise NoFreeWriterSlotError(
             f"all {self.layout.max_writers} writer slots are held by live processes; "
             "close unused writers or create the buffer with a larger max_writers")
@@ -456,12 +452,12 @@ class Ring:
             atomic.compare_exchange(self.mm, off, claimed, state)
             self._pin_seen = True
             return None
-        if self.packing is not None:
+        if self.on_recycle is not None:
             # A packed chunk gets its raw pages back before anything is written; one a
             # live compressor holds is left to it.  Either way nothing was written yet,
             # so undoing the claim restores exactly what readers validated against.
             try:
-                kept = self.packing.on_recycle(chunk)
+                kept = self.on_recycle(chunk)
             except BaseException:
                 atomic.compare_exchange(self.mm, off, claimed, state)
                 raise
@@ -540,7 +536,7 @@ class Ring:
         """
         claimed = self.claimed_chunks()
         table = self.chunk_table[:claimed]
-        seq = (table[:, _STATE] >> np.uint64(32)).astype(np.int64)
+        seq = chunk_seqs(table[:, _STATE])
         atomic.fence_acquire()
         counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows[:claimed])
         order = np.argsort(table[:, _TICKET], kind="stable")
@@ -559,7 +555,7 @@ class Ring:
         """
         claimed, n = self.claimed_chunks(), self.layout.n_chunks
         seq, counts = np.zeros(n, np.int64), np.zeros(n, np.int64)  # unclaimed: empty
-        seq[:claimed] = self.chunk_table[:claimed, _STATE] >> np.uint64(32)
+        seq[:claimed] = chunk_seqs(self.chunk_table[:claimed, _STATE])
         atomic.fence_acquire()
         counts[:claimed] = np.clip(self.count[:claimed].view(np.int64), 0,
                                    self.chunk_rows[:claimed])
@@ -594,8 +590,8 @@ class Ring:
         state = table[:, _STATE].copy()
         atomic.fence_acquire()
         counts = np.clip(table[:, _COUNT].view(np.int64), 0, self.chunk_rows[:claimed])
-        seq = (state >> np.uint64(32)).astype(np.int64)
-        final = (state & np.uint64(SEALED)) != 0
+        seq = chunk_seqs(state)
+        final = chunks_sealed(state)
         for chunk in np.flatnonzero(~final & (counts > 0) & (seq & 1 == 0)):
             _, _, slot, lease = unpack_chunk_state(int(state[chunk]))
             final[chunk] = slot == NO_SLOT or not self.slot_alive(slot, lease)
@@ -633,8 +629,67 @@ class Ring:
     def unchanged(self, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """After reading rows: True where each (chunk, seq) still holds (acquire first)."""
         atomic.fence_acquire()
-        now = (self.chunk_table[chunks, _STATE] >> np.uint64(32)).astype(np.int64)
+        now = chunk_seqs(self.chunk_table[chunks, _STATE])
         return now == seqs
+
+    # -- step ids: the claim's ticket and the row's offset in its chunk -----------------
+    def step_ids(self, rows: np.ndarray) -> np.ndarray:
+        """The ids of the steps at physical ``rows`` (any shape; the caller re-checks
+        the chunks' seqs after, as for the rows it read with them).
+
+        Step ``offset`` of the chunk claimed with ticket ``t`` is ``t * chunk_size +
+        offset``.  Tickets only grow, so an id never names another step; it is
+        stale once its chunk's ticket changed (or the chunk is being recycled).
+        """
+        k = self.layout.chunk_size
+        chunk = rows // k
+        tickets = self.chunk_table[chunk, _TICKET].view(np.int64)
+        atomic.fence_acquire()
+        return tickets * k + (rows - chunk * k)
+
+    def held_rows(self, ids: np.ndarray):
+        """``(rows, held, chunk, state)`` of the flat int64 ``ids`` now: the row each id
+        names, whether its step is held there, and the chunk and state word to check
+        with ``states_unchanged`` after the row was read or written."""
+        flat = np.ascontiguousarray(ids.reshape(-1), np.int64)
+        k, table = self.layout.chunk_size, self.chunk_table
+        ticket, off = np.divmod(np.maximum(flat, 0), k)
+        chunk = ticket % self.layout.n_chunks
+        claimed = chunk < self.claimed_chunks()   # no entry above it is read
+        chunk = np.where(claimed, chunk, 0)
+        state = table[chunk, _STATE].copy()
+        atomic.fence_acquire()
+        held = (claimed & (flat >= 0) & (off < self.chunk_rows[chunk])
+                & (chunk_seqs(state) & 1 == 0)
+                & (table[chunk, _TICKET].view(np.int64) == ticket)
+                & (table[chunk, _COUNT].view(np.int64) > off))
+        return chunk * k + off, held, chunk, state
+
+    def states_unchanged(self, chunk: np.ndarray, state: np.ndarray) -> np.ndarray:
+        """True where ``chunk`` still has the ``state`` word ``held_rows`` read."""
+        atomic.fence_acquire()
+        return self.chunk_table[chunk, _STATE] == state
+
+    def priorities_of(self, ids: np.ndarray) -> np.ndarray:
+        """Priorities (float32) of the steps ``ids`` names now; NaN where an id is stale."""
+        rows, held, chunk, state = self.held_rows(ids)
+        value, _ = self.prio().values(np.where(held, rows, 0))
+        held &= self.states_unchanged(chunk, state)
+        return np.where(held, value, np.float32(np.nan)).reshape(ids.shape)
+
+    # -- a writer's publishes (streams.Streams moves the cursors) ---------------------
+    def publish_count(self, count_off: int, fill: int) -> None:
+        """Store a chunk's committed row count (release): its rows become visible."""
+        atomic.store_release(self.mm, count_off, fill)
+
+    def publish_counts(self, count_offs: np.ndarray, fills: np.ndarray) -> None:
+        """``publish_count`` for several chunks, one store each (release)."""
+        atomic.store_many(self.mm, count_offs, fills)
+
+    def store_starts(self, chunk: int, word: int) -> None:
+        """Store ``chunk``'s starts word (release; before the count that publishes the
+        row it names, see layout: ``starts``)."""
+        atomic.store_release(self.mm, self.layout.chunk_field(chunk, "starts"), word)
 
     # -- the episode index ---------------------------------------------------------
     def log_episode(self, stream: int, chunk: int, chunk_seq: int, offset: int, length: int,
@@ -687,8 +742,7 @@ class Ring:
         chunk, length = body[:, _E_CHUNK], body[:, _E_LENGTH]
         ok &= (chunk >= 0) & (chunk < self.claimed_chunks()) & (length > 0)
         chunk = np.where(ok, chunk, 0)
-        ok &= ((self.chunk_table[chunk, _STATE] >> np.uint64(32)).astype(np.int64)
-               == body[:, _E_CHUNK_SEQ])
+        ok &= chunk_seqs(self.chunk_table[chunk, _STATE]) == body[:, _E_CHUNK_SEQ]
         return Episodes(indices, length, (body[:, _E_FLAGS] & TERMINAL) != 0,
                         body[:, _E_STREAM], body[:, _E_EP], chunk, body[:, _E_CHUNK_SEQ],
                         body[:, _E_OFFSET]).take(ok)

@@ -1,4 +1,7 @@
 """A writer's side of the ring: its slot, its streams' chunk claims, rows and publishes.
+
+The slot's own counters are this module's words; every chunk-table word (claims,
+links, seals, counts, starts) is stored through the ``Ring``'s calls.
 """
 from __future__ import annotations
 
@@ -7,11 +10,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import _atomic as atomic
-from .layout import CHUNK_FIELDS, STARTS_BITS, STARTS_UNTRACKED
+from .layout import STARTS_BITS, STARTS_UNTRACKED
 from .words import _STARTS_MAX, _U32
 
-if TYPE_CHECKING:  # annotations only: the ring builds these objects
+if TYPE_CHECKING:  # annotations only
     from .ring import Ring
+
+
+def claim_slot(ring: Ring) -> "Slot":
+    """A writer's claim on a free slot of ``ring``, or on the slot of a dead process.
+
+    Raises:
+        NoFreeWriterSlotError: every slot is held by a live process.
+    """
+    return Slot(ring, *ring.take_slot())
+
 
 class Slot:
     """A writer's claim on one slot: its lease and its cumulative counters."""
@@ -139,7 +152,7 @@ class Streams:
         # Counted before it is published: a writer killed in between leaves
         # steps_written one ahead, never behind what readers can see.
         self.slot.count_steps(1)
-        atomic.store_release(self.ring.mm, int(self.count_off[i]), fill)
+        self.ring.publish_count(int(self.count_off[i]), fill)
         if terminal:
             self.end(i, True)
 
@@ -184,7 +197,7 @@ class Streams:
                 self._mark_start(i, start + int(t) + 1)
         self.fill[i] = start + n
         self.slot.count_steps(n)
-        atomic.store_release(self.ring.mm, int(self.count_off[i]), start + n)
+        self.ring.publish_count(int(self.count_off[i]), start + n)
         for t in ends:
             self._end_at(i, start + int(t) + 1, True, mark=False)
 
@@ -202,7 +215,7 @@ class Streams:
         self.fill += 1
         self.left[0] -= 1
         self.slot.count_steps(len(self.id))
-        atomic.store_many(self.ring.mm, self.count_off, self.fill)
+        self.ring.publish_counts(self.count_off, self.fill)
         if terminal is not None:
             for i in np.flatnonzero(terminal):
                 self.end(int(i), True)
@@ -244,5 +257,4 @@ class Streams:
             return  # a second end at the same row (e.g. end_episode after a terminal)
         word = (min(n + 1, 3) << 62) | (row << STARTS_BITS) | (first if n else row)
         self.starts[i] = word
-        atomic.store_release(self.ring.mm, int(self.count_off[i]) - CHUNK_FIELDS["count"]
-                             + CHUNK_FIELDS["starts"], word)
+        self.ring.store_starts(int(self.chunk[i]), word)

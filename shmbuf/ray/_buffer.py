@@ -306,6 +306,11 @@ class ShardedBuffer:
                 self._lost(s, exc)
         return updated
 
+    @property
+    def port(self) -> "_FeedDoor":
+        """What shmbuf's feeds (``prefetch``) ask of a source at their door: its checks."""
+        return _FeedDoor(self._sample_args)
+
     def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None):
         """Checked ``(batch_size, length, tail, mix)``, ``mix`` the ``(fraction, mode)``
         pairs of ``_count.modes`` (``shmbuf.feed.prefetch`` calls it too)."""
@@ -537,3 +542,14 @@ def _out_arrays(out, spec: dict, lead: tuple) -> dict:
 
 def _rebuild(args, timeout_s):
     return ShardedBuffer(*args, owner=False, timeout_s=timeout_s)
+
+
+class _FeedDoor:
+    """A ``ShardedBuffer``'s answer to the feeds' checks (as ``StorePort``'s, for a Buffer)."""
+
+    def __init__(self, sample_args):
+        self.sample_args = sample_args
+
+    def check_priorities(self, what: str) -> None:
+        raise ValueError(f"{what}: ShardedBuffer batches made ahead carry no ids; sample with "
+                         "ids=True directly")

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._errors import NotEnoughDataError, SampleRetryError
-from .windows import Windows, joined
+from .._errors import NotEnoughDataError
+from .windows import Windows, enough, in_rounds
 
 _ROUNDS = 4
 
@@ -40,19 +40,15 @@ def groups(count: int, n_groups: int) -> np.ndarray:
 def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
          weights: tuple) -> Windows:
     """``n`` windows under ``AgeBuckets(weights)`` (see the module doc)."""
-    found, need = [], n
-    for _ in range(_ROUNDS):
-        if not need:
-            break
+    found: list[Windows] = []
+
+    def drawn(_, need):
         eligible = finder.held_episodes(length, tail)
         picks = _picks(rng, len(eligible), weights, 2 * need + 16, length, tail, finder)
-        found.append(finder.episode_windows(rng, eligible.take(picks), length, tail, need))
-        need -= len(found[-1].rows)
-    if need:
-        raise SampleRetryError(
-            f"could not draw {n} age-bucket windows of length {length}: writers recycled the "
-            "chosen episodes each time; the buffer is too small for its ingest rate")
-    return joined(found)
+        return finder.episode_windows(rng, eligible.take(picks), length, tail, need)
+
+    need = in_rounds(found, n, drawn, _ROUNDS)
+    return enough(found, need, n, f"age-bucket windows of length {length}")
 
 
 def _picks(rng, count: int, weights, m: int, length: int, tail: int, finder) -> np.ndarray:

@@ -23,13 +23,13 @@ import numpy as np
 from .._args import check_int
 from ..protocol.layout import EP_COLUMN
 from ..protocol.ring import Ring
-from .windows import WindowFinder
 
 _ENTRIES_PER_READ = 256
 
 
-def iterate(buf, ring: Ring, finder: WindowFinder, views: dict, newest, include_open):
-    """``Buffer.iter_episodes``: check the arguments now, then a generator of episodes."""
+def iterate(buf, port, newest, include_open):
+    """``Buffer.iter_episodes``: check the arguments now, then a generator of episodes
+    (read through the buffer's ``StorePort``)."""
     if newest is not None:
         newest = check_int("newest", newest, 1)
     if not isinstance(include_open, (bool, np.bool_)):
@@ -37,16 +37,16 @@ def iterate(buf, ring: Ring, finder: WindowFinder, views: dict, newest, include_
     names = list(buf.spec)
 
     def episodes():
-        yield from finished(ring, finder, views, names, newest, buf._check_open)
+        yield from finished(port, names, newest, buf._check_open)
         if include_open:
             buf._check_open()
-            yield from open_episodes(ring, finder, views, names, buf.done_key)
+            yield from open_episodes(port, names, buf.done_key)
     return episodes()
 
 
-def finished(ring: Ring, finder: WindowFinder, views: dict, names: list[str],
-             newest: int | None, check_open) -> Iterator[dict]:
+def finished(port, names: list[str], newest: int | None, check_open) -> Iterator[dict]:
     """The finished episodes still held, oldest first (in the order they ended)."""
+    ring = port.ring
     hi = ring.episodes_logged()
     held = min(hi, ring.layout.episode_slots)
     if newest is not None:
@@ -56,30 +56,29 @@ def finished(ring: Ring, finder: WindowFinder, views: dict, names: list[str],
         eps = ring.read_episodes(np.arange(lo, min(lo + _ENTRIES_PER_READ, hi)))
         for i in range(len(eps)):
             check_open()
-            got = read_entry(ring, finder, views, names, eps, i)
+            got = read_entry(port, names, eps, i)
             if got is not None:
                 yield got
 
 
-def one(ring: Ring, finder: WindowFinder, views: dict, names: list[str], index) -> dict | None:
+def one(port, names: list[str], index) -> dict | None:
     """Finished episode number ``index`` (``Buffer.read_episode``), or None if not held."""
     index = check_int("index", index, 0)
+    ring = port.ring
     if index < ring.episodes_logged() - ring.layout.episode_slots:
         return None   # its index entry was reused by a newer episode
     eps = ring.read_episodes(np.array([index], np.int64))
-    return read_entry(ring, finder, views, names, eps, 0) if len(eps) else None
+    return read_entry(port, names, eps, 0) if len(eps) else None
 
 
-def read_entry(ring: Ring, finder: WindowFinder, views: dict, names: list[str], eps,
-               i: int) -> dict | None:
+def read_entry(port, names: list[str], eps, i: int) -> dict | None:
     """The columns of episode ``eps[i]`` (an ``Episodes`` entry), or None if recycled."""
     chunk, seq = int(eps.chunk[i]), int(eps.seq[i])
-    start = int(ring.chunk_base[chunk]) + int(eps.offset[i])
-    return read_window(finder, views, names, start, int(eps.length[i]), (chunk, seq),
-                       int(eps.ep[i]))
+    start = int(port.chunk_base[chunk]) + int(eps.offset[i])
+    return read_window(port, names, start, int(eps.length[i]), (chunk, seq), int(eps.ep[i]))
 
 
-def read_window(finder: WindowFinder, views: dict, names: list[str], start: int, length: int,
+def read_window(port, names: list[str], start: int, length: int,
                 first_chunk: tuple[int, int] | None, ep: int | None) -> dict | None:
     """The columns of the ``length`` rows from ``start`` along its stream, or None.
 
@@ -87,27 +86,20 @@ def read_window(finder: WindowFinder, views: dict, names: list[str], start: int,
     when the first chunk is not ``first_chunk`` (chunk, seq) any more, or
     when a chunk was recycled during the copy.
     """
-    w = finder.locate(np.array([start], np.int64), length, 0, 1)
+    w = port.locate(np.array([start], np.int64), length)
     if not len(w.rows) or (first_chunk is not None and
                            (w.chunks[0, 0], w.seqs[0, 0]) != first_chunk):
         return None
-    rows = w.rows[0]
-    unpack = finder.ring.unpacker
-    if unpack is None:
-        out = {name: np.take(views[name], rows, axis=0) for name in names}
-    else:
-        with unpack.reading():
-            flags = unpack.flags(w.rows, w.chunks, w.seqs)
-            out = {name: unpack.take(name, views[name], w.rows, flags)[0] for name in names}
-    first_ep = int(views[EP_COLUMN][rows[0]])
-    if not finder.still_valid(w)[0] or (ep is not None and first_ep != ep):
+    out = {name: v[0] for name, v in port.take_rows(names, w.rows, w.chunks, w.seqs).items()}
+    first_ep = int(port.views[EP_COLUMN][w.rows[0, 0]])
+    if not port.still_valid(w)[0] or (ep is not None and first_ep != ep):
         return None
     return out
 
 
-def open_episodes(ring: Ring, finder: WindowFinder, views: dict, names: list[str],
-                  done_key: str | None) -> Iterator[dict]:
+def open_episodes(port, names: list[str], done_key: str | None) -> Iterator[dict]:
     """Each stream's unfinished episode (the part still held), by its newest chunk's age."""
+    ring, views = port.ring, port.views
     live = ring.live_chunks()
     hi = ring.episodes_logged()
     recent = ring.read_episodes(np.arange(max(0, hi - ring.layout.episode_slots), hi))
@@ -128,7 +120,7 @@ def open_episodes(ring: Ring, finder: WindowFinder, views: dict, names: list[str
         start, length = _open_stretch(ring, live, idx, ep_col, ep)
         if length < 1:
             continue   # its newest chunk was recycled while we looked: nothing whole to read
-        got = read_window(finder, views, names, start, length, None, ep)
+        got = read_window(port, names, start, length, None, ep)
         if got is not None:
             yield got
 

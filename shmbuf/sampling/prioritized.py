@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._errors import NotEnoughDataError
-from .windows import Windows, joined
+from .windows import Windows, in_rounds, joined
 
 _ROUNDS = 5
 _MAX_PROPOSALS = 1 << 18
@@ -80,10 +80,11 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
     pri = _priorities(finder)
     unset, top = _unset(pri, default)
     tree = pri.tree_for(exponent)
-    found, need = [], n
+    found: list[Windows] = []
     key = (length, tail, exponent, maxfrac)
     rate = _acceptance.get(key, 0.25)
-    for round_ in range(_ROUNDS):
+
+    def proposed(round_, need):
         # Sized by the acceptance seen last time in this process (a guess only: the
         # proposals are independent whatever their number), with room to spare so
         # that one round usually does, and growing 4x per round after it.
@@ -95,13 +96,12 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
         accepted = np.flatnonzero(rng.random(len(ratio)) < ratio)
         if round_ == 0:
             _acceptance[key] = max(len(accepted), 1) / size
-        take = accepted[:need]
-        found.append(Windows(w.rows[take], w.chunks[take], w.seqs[take]))
-        need -= len(take)
-        if not need:
-            return joined(found)
-    found.append(_enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top,
-                             unset))
+        return w.take(accepted[:need])
+
+    need = in_rounds(found, n, proposed, _ROUNDS)
+    if need:
+        found.append(_enumerated(finder, pri, rng, need, length, tail, exponent, maxfrac, top,
+                                 unset))
     return joined(found)
 
 
@@ -131,7 +131,7 @@ def total(buffer, length: int, tail: int, exponent: float, maxfrac: float, rng,
     ``score / proposal weight`` times the proposals' total weight), at a cost
     that does not grow with the capacity.
     """
-    finder = buffer._parts.finder
+    finder = buffer.port.finder
     pri = _priorities(finder)
     unset, top = _unset(pri, default)
     ring = finder.ring

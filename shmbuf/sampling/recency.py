@@ -42,8 +42,8 @@ import threading
 
 import numpy as np
 
-from .._errors import NotEnoughDataError, SampleRetryError
-from .windows import Windows, joined
+from .._errors import NotEnoughDataError
+from .windows import Windows, enough, in_rounds
 
 _ROUNDS = 4
 _MAX_CANDIDATES = 1 << 20
@@ -54,26 +54,19 @@ def draw(finder, rng: np.random.Generator, n: int, length: int, tail: int,
          exponent: float) -> Windows:
     """``n`` windows, each start drawn with weight ``(1 + age) ** -exponent``."""
     index = _index(finder, length, tail, exponent)
-    found, need, m = [], n, 2 * n + 16
-    for round_ in range(_ROUNDS):
-        if not need:
-            break
+    found: list[Windows] = []
+    m = 2 * n + 16
+
+    def proposed(round_, need):
         with index.lock:
             starts = index.candidates(rng, min(m << 2 * round_, _MAX_CANDIDATES))
-        if starts is None:
-            break
-        found.append(_located(finder, starts, index.seq, length, tail, need))
-        need -= len(found[-1].rows)
-    for _ in range(_ROUNDS):
-        if not need:
-            break
-        found.append(_enumerated(finder, rng, need, length, tail, exponent))
-        need -= len(found[-1].rows)
-    if need:
-        raise SampleRetryError(
-            f"could not draw {n} recency windows of length {length}: writers recycled the "
-            "chosen chunks each time; the buffer is too small for its ingest rate")
-    return joined(found)
+        return None if starts is None else _located(finder, starts, index.seq, length, tail,
+                                                    need)
+
+    need = in_rounds(found, n, proposed, _ROUNDS)
+    need = in_rounds(found, need, lambda _, need: _enumerated(finder, rng, need, length, tail,
+                                                              exponent), _ROUNDS)
+    return enough(found, need, n, f"recency windows of length {length}")
 
 
 def _index(finder, length: int, tail: int, exponent: float) -> "_Envelope":

@@ -1,7 +1,7 @@
 """Columns at given rows of located windows, decoded where a chunk is packed.
 
 ``Buffer``'s samplers gather into their output targets themselves
-(``store.reads``); a facade that keeps its own index of windows (its
+(``sampling.gather``); a facade that keeps its own index of windows (its
 episodes, its clips) reads the rows it picked with ``take_rows`` instead of
 indexing the column views, which would read a packed chunk's given-back
 pages as zeros.  As every read, it is followed by the caller's seq re-check
@@ -15,20 +15,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # annotations only
-    from ..protocol.ring import Ring
+    from .unpack import Unpacker
 
 # Windows per pass: the packed read's flags cost a few (B, L, H) temporaries, so a read
 # of a whole column (millions of rows) goes in pieces of about this many rows.
 PIECE_ROWS = 1 << 16
 
 
-def take_rows(ring: Ring, views: dict[str, np.ndarray], columns, rows: np.ndarray,
-              chunks: np.ndarray, seqs: np.ndarray) -> dict[str, np.ndarray]:
+def take_rows(unpack: Unpacker | None, views: dict[str, np.ndarray], columns,
+              rows: np.ndarray, chunks: np.ndarray, seqs: np.ndarray) -> dict[str, np.ndarray]:
     """``{column: views[column][rows]}``, copied, with packed rows decoded.
 
     Args:
-        ring: the buffer's ring (its ``unpacker`` is None unless it compresses).
-        views: the buffer's column views (``StoreParts.views``).
+        unpack: the buffer's reader of packed rows (``StorePort.unpacker``), None
+            unless it compresses.
+        views: the buffer's column views (``StorePort.views``).
         columns: the column names to read.
         rows: ``(B, L)`` int64 physical rows, window after window.
         chunks, seqs: ``(B, H)`` the hops each window was located at (the
@@ -41,10 +42,9 @@ def take_rows(ring: Ring, views: dict[str, np.ndarray], columns, rows: np.ndarra
         that changed.
 
     Example:
-        >>> got = take_rows(parts.ring, parts.views, ["obs"], w.rows, w.chunks, w.seqs)
-        >>> ok = parts.finder.still_valid(w)   # after the copy
+        >>> got = take_rows(port.unpacker, port.views, ["obs"], w.rows, w.chunks, w.seqs)
+        >>> ok = port.still_valid(w)   # after the copy
     """
-    unpack = ring.unpacker
     if unpack is None:
         return {c: np.take(views[c], rows, axis=0) for c in columns}
     b, length = rows.shape

@@ -21,10 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .._errors import CorruptSegmentError
-from ..protocol.packing import PUNCHING, PackWords
+from ..protocol.packing import PUNCHING, PackWords, unpack_words
 from .codec import Codec
-
-_U32 = np.uint64(0xFFFFFFFF)
 
 
 class Flags:
@@ -42,8 +40,9 @@ class Unpacker:
     """Reads the packed columns of one buffer (``ring``, its column ``views``)."""
 
     def __init__(self, ring, words: PackWords, codec: Codec):
-        # The ring holds this reader (``Ring.unpacker``): a weak reference back, so that
-        # no cycle keeps a closed buffer's views, and its mapping, alive until a gc pass.
+        # The buffer holds this reader (``StorePort.unpacker``) and the ring: a weak
+        # reference to the ring, so that no cycle keeps a closed buffer's views, and its
+        # mapping, alive until a gc pass.
         self._ring = weakref.ref(ring)
         self.words, self.codec = words, codec
         self.plan = words.plan
@@ -62,14 +61,12 @@ class Unpacker:
         """Row flags of windows ``rows`` (B, L) located at hops ``chunks``/``seqs`` (B, H);
         None if every row is raw (the common, hot case).  Call inside ``reading()``."""
         ok = chunks >= 0
-        words = self.words.load(np.where(ok, chunks, 0))
-        phase = (words >> np.uint64(30)) & np.uint64(3)
-        masks = ((words >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64)
+        seq, phase, masks = unpack_words(self.words.load(np.where(ok, chunks, 0)))
         # A chunk packed with no column (none shrank: noise) reads raw, like a raw one.
         cooked = ok & (phase >= PUNCHING) & (masks != 0)
         if not cooked.any():
             return None
-        match = (words >> np.uint64(32)) == (seqs.astype(np.uint64) & _U32)
+        match = seq == (seqs & 0xFFFFFFFF)
         row_chunk = rows // self.plan.chunk_size
         hop = np.argmax(row_chunk[:, :, None] == chunks[:, None, :], axis=2)
         pick = (lambda a: np.take_along_axis(a, hop, axis=1))

@@ -21,7 +21,7 @@ import dataclasses
 import numpy as np
 
 from .._errors import NotEnoughDataError, SampleRetryError
-from ..protocol import _window_check as _windows
+from ..protocol import _window_check
 from ..protocol.ring import Ring
 
 _ROUNDS = 4
@@ -75,14 +75,14 @@ class WindowFinder:
         picked = np.empty(need, np.int64)
         rows = np.empty((need, length), np.int64)
         chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
-        found, _ = _windows.find(self.mm, self.geometry, starts, span, length, tail, need,
+        found, _ = _window_check.find(self.mm, self.geometry, starts, span, length, tail, need,
                                  hops, picked, rows, chunks, seqs, self.preempt)
         return Windows(rows[:found], chunks[:found], seqs[:found])
 
     def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
         """The candidate ``starts`` (int64) that begin a valid window now."""
         picked = np.empty(len(starts), np.int64)
-        found, _ = _windows.find(self.mm, self.geometry, starts, 0, length, tail, len(starts),
+        found, _ = _window_check.find(self.mm, self.geometry, starts, 0, length, tail, len(starts),
                                  max_hops(length, self.k), picked, None, None, None,
                                  self.preempt)
         return starts[picked[:found]]
@@ -107,7 +107,7 @@ class WindowFinder:
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
         ok = np.empty(len(w.rows), np.bool_)
-        _windows.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1], ok,
+        _window_check.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1], ok,
                            self.preempt)
         return ok
 
@@ -115,29 +115,23 @@ class WindowFinder:
         """``batch`` windows, uniform over every valid start row, with replacement."""
         span = self.ring.claimed_rows()
         cap = max(batch, _MAX_ELEMENTS // length)
-        found, need = [], batch
+        found: list[Windows] = []
         # Candidates are cheap (one random word each; the C pass stops once
         # enough are valid), so the first round has room for half of them to
         # be invalid, and later rounds grow fourfold.  The sizes depend only
         # on the batch, so a seed gives the same batch on the same contents.
-        m = 2 * need + 16
-        for round_ in range(_ROUNDS):
-            if not span or not need:
-                break
+        m = 2 * batch + 16
+
+        def proposed(round_, need):
+            if not span:
+                return None
             raw = rng.bit_generator.random_raw(min(m << 2 * round_, cap))
-            found.append(self.locate(raw, length, tail, need, span))
-            need -= len(found[-1].rows)
-        for _ in range(_ROUNDS):
-            if not need:
-                break
-            found.append(self.locate(self._valid_starts(rng, need, length, tail),
-                                     length, tail, need))
-            need -= len(found[-1].rows)
-        if need:
-            raise SampleRetryError(
-                f"could not draw {batch} windows of length {length}: writers recycled the "
-                "chosen chunks each time; the buffer is too small for its ingest rate")
-        return joined(found)
+            return self.locate(raw, length, tail, need, span)
+
+        need = in_rounds(found, batch, proposed, _ROUNDS)
+        need = in_rounds(found, need, lambda _, need: self.locate(
+            self._valid_starts(rng, need, length, tail), length, tail, need), _ROUNDS)
+        return enough(found, need, batch, f"windows of length {length}")
 
     def _valid_starts(self, rng, need: int, length: int, tail: int) -> np.ndarray:
         """``need`` start rows drawn from an enumeration of every committed row."""
@@ -181,30 +175,26 @@ class WindowFinder:
         ring = self.ring
         lo, hi = self._episode_range(newest)
         held = hi - lo
-        found, need = [], batch
-        m = 2 * need + 16
-        for round_ in range(_ROUNDS):
-            if not held or not need:
-                break
+        found: list[Windows] = []
+        m = 2 * batch + 16
+
+        def proposed(round_, need):
+            if not held:
+                return None
             picks = ring.read_episodes(lo + rng.integers(0, held, min(m << 2 * round_, 1 << 20)))
-            found.append(self.episode_windows(rng, picks, length, tail, need))
-            need -= len(found[-1].rows)
-        for _ in range(_ROUNDS):
-            if not need:
-                break
+            return self.episode_windows(rng, picks, length, tail, need)
+
+        def enumerated(_, need):
             eligible = ring.read_episodes(np.arange(lo, hi))
             eligible = eligible.take(eligible.length >= length - tail)
             if not len(eligible):
                 raise NotEnoughDataError(self._no_episode_message(length, tail, held, lo, hi))
             picks = eligible.take(rng.integers(0, len(eligible), 2 * need + 16))
-            found.append(self.episode_windows(rng, picks, length, tail, need))
-            need -= len(found[-1].rows)
-        if need:
-            raise SampleRetryError(
-                f"could not draw {batch} episode windows of length {length}: writers "
-                "recycled the chosen chunks each time; the buffer is too small for its "
-                "ingest rate")
-        return joined(found)
+            return self.episode_windows(rng, picks, length, tail, need)
+
+        need = in_rounds(found, batch, proposed, _ROUNDS)
+        need = in_rounds(found, need, enumerated, _ROUNDS)
+        return enough(found, need, batch, f"episode windows of length {length}")
 
     def count_episodes(self, length: int, tail: int, newest: int | None,
                        rng: np.random.Generator, probes: int = 4096) -> int:
@@ -272,7 +262,7 @@ class WindowFinder:
     def _seek(self, picks, advance: np.ndarray) -> np.ndarray:
         """The row ``advance`` steps into each episode of ``picks``; -1 where not held."""
         starts = np.empty(len(picks), np.int64)
-        _windows.seek(self.mm, self.geometry, picks.chunk, picks.seq, picks.offset, advance,
+        _window_check.seek(self.mm, self.geometry, picks.chunk, picks.seq, picks.offset, advance,
                       starts, self.preempt)
         return starts
 
@@ -291,6 +281,42 @@ def _concat(a, b):
     """Two ``Episodes``, one after the other."""
     return type(a)(*(np.concatenate([getattr(a, f.name), getattr(b, f.name)])
                      for f in dataclasses.fields(a)))
+
+
+def in_rounds(found: list[Windows], need: int, draw_round, rounds: int) -> int:
+    """Draw in rounds until enough: ``draw_round(round_, need)`` for ``round_`` = 0, 1, ...
+    while windows are still needed, at most ``rounds`` times; return how many are still
+    needed.
+
+    ``draw_round`` returns located ``Windows`` (the first ``need`` of them are kept
+    and appended to ``found``) or None to stop early.  Every sampler's rejection loop
+    is this one: a round sized by what is still needed, then ``enough``.
+    """
+    for round_ in range(rounds):
+        if not need:
+            break
+        w = draw_round(round_, need)
+        if w is None:
+            break
+        if len(w.rows) > need:
+            w = w.take(np.arange(need))
+        found.append(w)
+        need -= len(w.rows)
+    return need
+
+
+def enough(found: list[Windows], need: int, n: int, what: str) -> Windows:
+    """The windows ``found``, one after the other, once ``in_rounds`` left none needed.
+
+    Raises:
+        SampleRetryError: ``need`` windows are still missing: the writers recycled
+            the chosen chunks in every round (``what`` names the windows).
+    """
+    if need:
+        raise SampleRetryError(
+            f"could not draw {n} {what}: writers recycled the chosen chunks each time; "
+            "the buffer is too small for its ingest rate")
+    return joined(found)
 
 
 def joined(found: list[Windows]) -> Windows:

@@ -130,7 +130,7 @@ class Segment:
         """Create ``name`` with O_CREAT|O_EXCL, mode 0600, ``size`` bytes long.
 
         The first ``reserve`` bytes (all if None) are reserved now, the rest
-        as it fills (``_space``); ``populate`` maps the reserved pages now.
+        as it fills (``posix.space``); ``populate`` maps the reserved pages now.
         """
         reservation = Reservation(name)
         try:

@@ -30,7 +30,7 @@ from ..segment.lifecycle import Shared, unpickled
 from ..segment.pages import ChunkPages
 from ..segment.segment import SHM_DIR, Segment, column_views, generate_name, validate_name
 from ..writing.compress import Compress, CompressionStats
-from ..writing.parts import StoreParts
+from ..writing.port import StorePort
 from ..writing.ratelimit import Limiter, RateLimit, RateStats, check_rate_limit, pid_check
 from ..writing.writer import Writer
 from . import compression as _compression
@@ -96,20 +96,28 @@ class Buffer(Reads, Checkpoints, Compaction, Shared):
         self._random = ProcessRandom(seed, self._owner_pid, segment.name)  # per process
         self._pages = ChunkPages(segment.mmap, layout, mapped)
         self._savers = set()
+        packing = unpacker = None
         if layout.pack is not None:
-            self._packer = _compression.attach_packing(self._ring, self._views, segment,
-                                                       layout, meta)
+            self._packer, packing, unpacker = _compression.attach_packing(
+                self._ring, self._views, segment, layout, meta)
+        self._port = StorePort(self._ring, self._views, self._finder, self._limiter,
+                               self._random, self._owner_pid,
+                               (self._writer, self._sample_args, self._check_priorities),
+                               self._savers, packing, unpacker)
         self._open(segment)
 
     @property
-    def _parts(self) -> StoreParts:
-        """The working parts that saving, checkpoints and the feeds use (``StoreParts``).
+    def port(self) -> StorePort:
+        """The store's one door for shmbuf's own layers and extensions (``StorePort``).
 
-        Made on each call, never kept: a kept one would hold this buffer
-        (through ``writer``) and stop a dropped owner from unlinking at once.
+        The facades, saving, the feeds and Ray reach the store's insides only
+        through it: windows, step ids, chunks, episodes.  Most users never need it.
+
+        Raises:
+            BufferClosedError: this handle was closed.
         """
-        return StoreParts(self._ring, self._views, self._finder, self._limiter, self._random,
-                          self._owner_pid, self._writer)
+        self._check_open()
+        return self._port
 
     # -- identity -----------------------------------------------------------
     @property
@@ -308,20 +316,14 @@ class Buffer(Reads, Checkpoints, Compaction, Shared):
         for saver in list(self._savers):
             saver.close()  # saves what is left, while the mapping is still ours
         # Closed: never read again.  Dropping every reference to the views lets the mapping go.
-        self._views = self._ring = self._finder = None  # type: ignore[assignment]
+        self._views = self._ring = self._finder = self._port = None  # type: ignore[assignment]
 
     @classmethod
     def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
                       handle_signals: bool | None = None):
-        """The Buffer over an attached step-store segment (the registry's way in).
-
-        Closes the segment if it refuses it.
-        """
-        try:
-            return from_segment(segment, layout, owner, seed, own, handle_signals)
-        except BaseException:
-            segment.close()
-            raise
+        """The Buffer over an attached step-store segment (the registry's way in)."""
+        return open_segment(segment, layout, owner, seed=seed, own=own,
+                            handle_signals=handle_signals)
 
     def __reduce__(self):
         return unpickled, (_reattach, self.name, self._random.seed)
@@ -427,7 +429,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         check_fits(name, *_compression.fit_bytes(layout, meta or {}), layout.capacity,
                    SHM_DIR)
     # The header and the writer slots are written by everyone: reserved now.
-    # The chunk table, the episode index and the rows follow the tickets (_ring).
+    # The chunk table, the episode index and the rows follow the tickets (protocol.ring).
     segment = Segment.create(name, layout.total_bytes,
                              reserve=None if prefault else layout.chunks_offset,
                              populate=prefault)
@@ -461,7 +463,7 @@ register(Buffer, KIND)
 
 def _reattach(name: str, seed) -> Buffer:
     """Unpickling: attach, keeping the seed; the buffers unpickled in one process continue
-    one stream (a Pool's tasks never repeat each other), see _process_rng."""
+    one stream (a Pool's tasks never repeat each other), see sampling.rng."""
     buf = attach(name, seed=seed)
     buf._random.shared = True
     return buf
@@ -494,6 +496,17 @@ def attach(name: str, *, seed=None, own: bool = False,
     segment = Segment.attach(name)
     try:
         layout, owner = segment.header(KIND_STORE)
+        return from_segment(segment, layout, owner, seed, own, handle_signals)
+    except BaseException:
+        segment.close()
+        raise
+
+
+def open_segment(segment, layout: Layout, owner: dict, *, seed=None, own: bool = False,
+                 handle_signals: bool | None = None) -> Buffer:
+    """The Buffer over an attached step-store segment, for the registry and the facades
+    built on a step store; closes the segment if it refuses it."""
+    try:
         return from_segment(segment, layout, owner, seed, own, handle_signals)
     except BaseException:
         segment.close()

@@ -5,7 +5,7 @@ A mixin of ``Buffer``: it holds no state of its own.
 from __future__ import annotations
 
 from ..disk import checkpoint as _checkpoint
-from ..disk import save as _saving
+from ..disk import save as _save
 from .state import BufferState
 
 
@@ -26,7 +26,7 @@ class Checkpoints(BufferState):
             >>> np.savez("ckpt.npz", **buf.snapshot()["columns"])
         """
         self._check_open()
-        return self._with_rate(_checkpoint.snapshot(self._ring, self._views))
+        return self._with_rate(_checkpoint.snapshot(self._port))
 
     def restore(self, state: dict) -> None:
         """Replace the contents with a ``snapshot()``; the capacity stays this buffer's.
@@ -43,7 +43,7 @@ class Checkpoints(BufferState):
             >>> fresh.restore(buf.snapshot())
         """
         self._check_open()
-        _checkpoint.restore(self, self._ring, state)
+        _checkpoint.restore(self, self._port, state)
         self._restore_rate(state)
 
     # -- saving to disk ---------------------------------------------------------------
@@ -55,7 +55,7 @@ class Checkpoints(BufferState):
         as a sample is (a chunk recycled meanwhile is left out), so no torn
         step is saved and no more than the files' own page cache is used.
         The format (one ``.npy`` per column, a JSON manifest, readable with
-        numpy alone) is described in ``shmbuf.disk.save``; ``shmbuf.load``
+        numpy alone) is described in ``shmbuf.disk.saved``; ``shmbuf.load``
         rebuilds a buffer from it.  Chunks that are compressed in shared
         memory (``create(..., compress=...)``) are saved as their compressed
         blocks, undecoded, and ``load`` puts them back compressed.
@@ -86,11 +86,11 @@ class Checkpoints(BufferState):
         """
         self._check_live()
         if follow:
-            saver = _saving.Saver(self, path, interval=interval, overwrite=overwrite,
+            saver = _save.Saver(self, path, interval=interval, overwrite=overwrite,
                                   durable=True if durable is None else durable)
             self._savers.add(saver)
             return saver
-        return _saving.save(self, path, overwrite=overwrite, durable=bool(durable))
+        return _save.save(self, path, overwrite=overwrite, durable=bool(durable))
 
     def state_dict(self) -> dict:
         """The live steps as torch tensors and plain values, for ``torch.save``.
@@ -111,7 +111,7 @@ class Checkpoints(BufferState):
             >>> torch.save(buf.state_dict(), "replay.pt")
         """
         self._check_open()
-        return self._with_rate(_checkpoint.state_dict(self._ring, self._views))
+        return self._with_rate(_checkpoint.state_dict(self._port))
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the contents with a ``state_dict()``; the capacity stays this buffer's.
@@ -127,7 +127,7 @@ class Checkpoints(BufferState):
         """
         self._check_open()
         state = _checkpoint.from_state_dict(state)
-        _checkpoint.restore(self, self._ring, state)
+        _checkpoint.restore(self, self._port, state)
         self._restore_rate(state)
 
     def _with_rate(self, state: dict) -> dict:

@@ -3,7 +3,8 @@ and the ``stats().compression`` figures.
 
 A mixin of ``Buffer`` plus the helpers ``create`` and ``Buffer.__init__`` call.  The
 protocol is ``protocol.packing``'s; the compressor is ``writing.compressor``'s and the
-reader ``sampling.unpack``'s (set on the ring, which every read path goes through).
+reader ``sampling.unpack``'s (held by the buffer's ``StorePort``, which every read path
+goes through).
 """
 from __future__ import annotations
 
@@ -108,11 +109,14 @@ def reserve_words(segment: Segment, layout: Layout) -> None:
                               "the compression words")
 
 
-def attach_packing(ring, views: dict, segment: Segment, layout: Layout, meta: dict) -> Packer:
-    """The compressor of a compressing buffer; sets the ring's packing words and reader."""
+def attach_packing(ring, views: dict, segment: Segment, layout: Layout,
+                   meta: dict) -> tuple[Packer, PackWords, Unpacker]:
+    """The compressor, the packing words and the packed-row reader of a compressing
+    buffer; hooks the words' ``on_recycle`` into the ring's chunk claims."""
     conf = meta[META_KEY]
     assert segment.space is not None and layout.pack is not None
     words = PackWords(segment.mmap, segment.space.fd, layout.pack, segment.name)
     codec = Codec(conf["codec"], conf["level"])   # thread-safe: one per handle
-    ring.packing, ring.unpacker = words, Unpacker(ring, words, codec)
-    return Packer(ring, words, codec, views, conf["hot_steps"])
+    ring.on_recycle = words.on_recycle
+    return (Packer(ring, words, codec, views, conf["hot_steps"]), words,
+            Unpacker(ring, words, codec))

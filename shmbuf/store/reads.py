@@ -7,16 +7,15 @@ from __future__ import annotations
 import numpy as np
 
 from .._args import check_int
-from .._errors import SampleRetryError, SampleTooLargeError
+from .._errors import SampleTooLargeError
 from ..posix.memory import available_bytes
 from ..posix.wait import check_timeout
 from ..protocol.ring import Episodes
+from ..sampling import gather as _gather
 from ..sampling.out import prepare_out as _prepare_out
 from ..select import resolve
-from ..writing.cast import coerce
+from ..writing.cast import coerce, host_array
 from .state import BufferState
-
-_MAX_REDRAWS = 64
 
 
 class Reads(BufferState):
@@ -109,30 +108,12 @@ class Reads(BufferState):
         if limiter is not None:   # the batch's budget, taken before it is drawn
             limiter.replay(batch_size * length, timeout, "sample_sequences")
         try:
-            return self._draw(gen, batch_size, length, tail, sel, targets, time_major)
+            return _gather.sample(self._port, sel, gen, batch_size, length, tail, targets,
+                                  time_major)
         except BaseException:
             if limiter is not None:
                 limiter.refund(batch_size * length)   # nothing was delivered
             raise
-
-    def _draw(self, gen, batch_size, length, tail, sel, targets, time_major):
-        """``sample_sequences`` after its checks (and its rate limit): draw, gather, re-check."""
-        def draw(n):
-            return sel._draw(self._finder, gen, n, length, tail)
-
-        windows = draw(batch_size)
-        pending = np.arange(batch_size)
-        for _ in range(_MAX_REDRAWS):
-            self._gather(windows, pending, targets, time_major, batch_size)
-            stale = ~self._finder.still_valid(windows)
-            if not stale.any():
-                self._ring.count_sample(batch_size * length)
-                return {k: t.result for k, t in targets.items()}
-            pending = pending[stale]
-            windows = draw(len(pending))
-        raise SampleRetryError(
-            f"writers recycled sampled chunks {_MAX_REDRAWS} times in a row; the buffer "
-            f"(capacity {self._layout.capacity}) is too small for its ingest rate")
 
     def _sample_args(self, batch_size, length, tail=0, uniform=None, newest=None, select=None,
                      allocates: bool = True):
@@ -152,7 +133,7 @@ class Reads(BufferState):
         if newest is not None:
             newest = check_int("newest", newest, 1)
         sel = resolve(select, uniform, newest)
-        sel._check(self)
+        sel.check(self)
         return batch_size, length, int(tail), sel
 
     def _check_batch_memory(self, batch_size: int, length: int) -> None:
@@ -188,43 +169,6 @@ class Reads(BufferState):
                   for k, v in out.items()}
         self.sample_sequences(batch_size, 1, out=lifted, rng=rng, timeout=timeout)
         return out
-
-    def _gather(self, windows, pending, targets, time_major, batch_size) -> None:
-        unpack = self._ring.unpacker
-        if unpack is None:
-            return self._gather_rows(windows.rows, pending, targets, time_major, batch_size)
-        with unpack.reading():   # no raw page this reads is punched meanwhile
-            flags = unpack.flags(windows.rows, windows.chunks, windows.seqs)
-            if flags is not None and time_major:
-                flags = flags.transpose()
-            self._gather_rows(windows.rows, pending, targets, time_major, batch_size, flags)
-        return None
-
-    def _gather_rows(self, rows, pending, targets, time_major, batch_size, flags=None) -> None:
-        """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
-        the rows as laid out in the batch) where some chunks are packed."""
-        idx = np.ascontiguousarray(rows.T) if time_major else rows
-        everything = len(pending) == batch_size
-        unpack = self._ring.unpacker
-        for name, target in targets.items():
-            if name == "ids":   # read with the rows, checked by the same seqs after
-                ids = self._ring.prio().ids(idx)
-                if everything and target.array is not None:
-                    target.array[...] = ids
-                else:
-                    target.put(ids, pending, time_major)
-                continue
-            src = self._views[name]
-            if flags is not None:
-                assert unpack is not None
-                if everything and target.array is not None:
-                    unpack.take(name, src, idx, flags, out=target.array)
-                else:
-                    target.put(unpack.take(name, src, idx, flags), pending, time_major)
-            elif everything and target.array is not None:
-                np.take(src, idx, axis=0, out=target.array, mode="clip")
-            else:
-                target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
 
     # -- priorities --------------------------------------------------------------------
     @property
@@ -305,16 +249,9 @@ class Reads(BufferState):
         """
         self._check_live()
         self._check_priorities("write_steps")
-        ids = _host_array("ids", ids)
-        if ids.dtype != np.int64:
-            raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
-                            f"returns them), got dtype {ids.dtype}")
+        ids = checked_ids(ids, "written")
         if not columns:
             raise ValueError("write_steps: give at least one column=values")
-        if ids.size and ids.min() < 0:
-            at = [int(i) for i in np.unravel_index(int(np.argmin(ids)), ids.shape)]
-            raise ValueError(f"ids{at} is {int(ids.min())}; step ids are >= 0; nothing was "
-                             "written")
         spec = self._layout.spec()
         pack = self._layout.pack
         packed = set() if pack is None else {c.name for c in pack.columns}
@@ -330,13 +267,12 @@ class Reads(BufferState):
                                  "written")
             shape, dtype = spec[name]
             values[name] = coerce(f"write_steps({name}=...)", value, dtype, ids.shape + shape)
-        prio = self._ring.prio()
         # Pinned, the chunks the ids name cannot be recycled until the rows are written,
         # so a written value never lands in a later step (protocol.pins); the held check
         # comes after the pins.
         lay = self._layout
         with self._ring.pins.pinned(ids.reshape(-1) // lay.chunk_size % lay.n_chunks):
-            rows, held, _, _ = prio.held_rows(ids)
+            rows, held, _, _ = self._ring.held_rows(ids)
             for name, value in values.items():
                 flat = value.reshape((len(rows),) + spec[name][0])
                 self._views[name][rows[held]] = flat[held]
@@ -350,10 +286,7 @@ class Reads(BufferState):
         """
         self._check_open()
         self._check_priorities("priorities_of")
-        ids = _host_array("ids", ids)
-        if ids.dtype != np.int64:
-            raise TypeError(f"ids must be int64 step ids, got dtype {ids.dtype}")
-        return self._ring.prio().of_ids(ids)
+        return self._ring.priorities_of(checked_ids(ids))
 
     # -- the trainer's data path ---------------------------------------------------------
     def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
@@ -470,11 +403,10 @@ class Reads(BufferState):
             >>> for ep in buf.iter_episodes(newest=10):
             ...     print(len(ep["reward"]), ep["reward"].sum())
         """
-        from ..sampling import episodes as _episode_reader
+        from ..sampling import episodes as _episodes
 
         self._check_open()
-        return _episode_reader.iterate(self, self._ring, self._finder, self._views, newest,
-                                       include_open)
+        return _episodes.iterate(self, self._port, newest, include_open)
 
     def read_episode(self, index: int) -> dict | None:
         """Finished episode ``index`` (an ``episodes().index``) as ``{column: (steps, ...)}``.
@@ -494,11 +426,11 @@ class Reads(BufferState):
             >>> eps = buf.episodes(newest=1)
             >>> last = buf.read_episode(int(eps.index[-1]))
         """
-        from ..sampling import episodes as _episode_reader
+        from ..sampling import episodes as _episodes
 
         self._check_open()
         names = [c.name for c in self._layout.user_columns]
-        return _episode_reader.one(self._ring, self._finder, self._views, names, index)
+        return _episodes.one(self._port, names, index)
 
     # -- waiting and counters ---------------------------------------------------
     def episodes(self, newest: int | None = None) -> Episodes:
@@ -593,11 +525,8 @@ def checked_priorities(ids, priorities) -> tuple[np.ndarray, np.ndarray]:
     Raises what ``Buffer.update_priorities`` documents; shmbuf.ray checks its
     arguments here too, before anything is written on any shard.
     """
-    ids = _host_array("ids", ids)
-    values = _host_array("priorities", priorities)
-    if ids.dtype != np.int64:
-        raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
-                        f"returns them), got dtype {ids.dtype}")
+    ids = checked_ids(ids, "updated")
+    values = host_array(priorities)
     if values.dtype.kind != "f":
         raise TypeError(f"priorities must be floats, got dtype {values.dtype}")
     if values.shape != ids.shape:
@@ -612,16 +541,25 @@ def checked_priorities(ids, priorities) -> tuple[np.ndarray, np.ndarray]:
         pos = [int(i) for i in np.unravel_index(at, values.shape)] if values.ndim else []
         raise ValueError(f"priorities{pos} is {float(values.reshape(-1)[at])!r}; priorities "
                          "must be finite, >= 0 and fit float32; nothing was updated")
-    if len(flat) and flat.min() < 0:
-        at = int(np.argmax(flat < 0))
-        pos = [int(i) for i in np.unravel_index(at, values.shape)]
-        raise ValueError(f"ids{pos} is {int(flat[at])}; step ids are >= 0; nothing "
-                         "was updated")
     return flat, stored
 
 
-def _host_array(what: str, value) -> np.ndarray:
-    """``value`` (an ndarray, a torch tensor on any device, or a sequence) as an ndarray."""
-    if type(value).__module__.startswith("torch"):
-        return value.detach().cpu().numpy()
-    return np.asarray(value)
+def checked_ids(ids, undone: str | None = None) -> np.ndarray:
+    """``ids`` as an int64 array of step ids (numpy, or a torch tensor on any device),
+    the one check every id-taking call makes.
+
+    Raises:
+        TypeError: ids that are not int64.
+        ValueError: with ``undone`` (what the call does, "written" say), a negative
+            id; the message names its position and says nothing was ``undone``.
+    """
+    ids = host_array(ids)
+    if ids.dtype != np.int64:
+        raise TypeError(f"ids must be int64 step ids (as sample_sequences(..., ids=True) "
+                        f"returns them), got dtype {ids.dtype}")
+    if undone is not None and ids.size and ids.min() < 0:
+        at = [int(i) for i in np.unravel_index(int(np.argmin(ids)), ids.shape)]
+        raise ValueError(f"ids{at} is {int(ids.min())}; step ids are >= 0; nothing was "
+                         f"{undone}")
+    return ids
+

@@ -12,6 +12,7 @@ from ..protocol.ring import Ring
 from ..sampling.rng import ProcessRandom
 from ..sampling.windows import WindowFinder
 from ..segment.pages import ChunkPages
+from ..writing.port import StorePort
 from ..writing.ratelimit import Limiter
 from ..writing.writer import Writer
 
@@ -27,6 +28,7 @@ class BufferState:
     _random: ProcessRandom
     _space: Any
     _pages: ChunkPages
+    _port: StorePort
     _savers: set
     _check_open: Callable[..., None]
     _check_live: Callable[[], None]

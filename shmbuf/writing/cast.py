@@ -13,7 +13,13 @@ from __future__ import annotations
 import numpy as np
 
 
-def _to_numpy(value):
+def host_array(value) -> np.ndarray:
+    """``value`` as an ndarray in host memory: an ndarray as it is, a torch tensor (on
+    any device) detached and copied to the CPU, anything else through ``np.asarray``.
+
+    The one conversion every layer uses for what a caller passes (torch is never
+    imported: a tensor is recognised by its type's module).
+    """
     if type(value) is np.ndarray:
         return value
     module = type(value).__module__
@@ -50,7 +56,7 @@ def coerce(label: str, value, dtype: np.dtype, shape: tuple[int, ...]) -> np.nda
     impossible cast.
     """
     try:
-        arr = _to_numpy(value)
+        arr = host_array(value)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise TypeError(f"{label}: cannot read {type(value).__name__} as an array "
                         f"({exc})") from None

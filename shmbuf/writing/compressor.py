@@ -28,6 +28,7 @@ import numpy as np
 from .._errors import SharedMemoryFullError
 from ..posix.space import PAGE
 from ..posix.wait import poll
+from ..protocol.layout import chunk_seqs, chunks_sealed
 from ..protocol.packing import (
     BUSY,
     MIN_RATIO,
@@ -36,6 +37,7 @@ from ..protocol.packing import (
     PackWords,
     pack_word,
     unpack_word,
+    unpack_words,
 )
 from ..sampling.codec import Codec
 
@@ -54,14 +56,12 @@ def candidates(ring, words: PackWords, hot: int) -> np.ndarray:
     claimed = len(state)
     if not claimed:
         return np.empty(0, np.int64)
-    w = words.load(np.arange(claimed))
+    wseq, phase, _ = unpack_words(words.load(np.arange(claimed)))
     clock = ring.clock()
-    seq = state >> np.uint64(32)
-    sealed = (state >> np.uint64(31)) & np.uint64(1) == 1
+    seq, sealed = chunk_seqs(state), chunks_sealed(state)
     last = ring.clock_rows[ring.chunk_base[:claimed] + np.maximum(count, 1) - 1]
-    done = ((w >> np.uint64(30)) & np.uint64(3) == PACKED) & (w >> np.uint64(32) == seq)
-    ok = sealed & (seq & np.uint64(1) == 0) & (count > 0) & ~done & (
-        clock - 1 - last >= hot)
+    done = (phase == PACKED) & (wseq == seq)
+    ok = sealed & (seq & 1 == 0) & (count > 0) & ~done & (clock - 1 - last >= hot)
     chunks = np.flatnonzero(ok)
     return chunks[np.argsort(-last[chunks], kind="stable")]
 
@@ -73,11 +73,8 @@ def pack_stats(ring, words: PackWords, hot: int) -> tuple[int, int, int, int, in
     claimed = len(state)
     if not claimed:
         return 0, 0, 0, 0, 0
-    w = words.load(np.arange(claimed))
-    phase = (w >> np.uint64(30)) & np.uint64(3)
-    mask = ((w >> np.uint64(22)) & np.uint64(0xFF)).astype(np.int64)
-    packed = (phase >= PUNCHING) & (w >> np.uint64(32) == state >> np.uint64(32)) & (
-        mask > 0) & (count > 0)
+    wseq, phase, mask = unpack_words(words.load(np.arange(claimed)))
+    packed = (phase >= PUNCHING) & (wseq == chunk_seqs(state)) & (mask > 0) & (count > 0)
     raw_bytes = stored = 0
     for chunk in np.flatnonzero(packed).tolist():
         directory = words.read_dir(chunk)

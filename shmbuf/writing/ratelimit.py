@@ -17,8 +17,8 @@ other steps' worth.  A batch takes its budget when it is drawn: a batch
 that a prefetcher or a DataLoader worker drew and nobody consumed still
 counts.
 
-The admissions are one compare-and-swap each (``_ring.RateWords``, C in
-``_atomic.RateGate``); waiting is ``_wait.poll``'s bounded backoff.
+The admissions are one compare-and-swap each (``protocol.rate.RateWords``, C in
+``_atomic.RateGate``); waiting is ``posix.wait.poll``'s bounded backoff.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class RateLimit:
         object.__setattr__(self, "writer_timeout", check_timeout(self.writer_timeout))
 
     def _words(self) -> dict[str, int]:
-        """The header words that hold this limit (``_layout.RATE_FIELDS``)."""
+        """The header words that hold this limit (``protocol.layout.RATE_FIELDS``)."""
         flags = RATE_ON | (RATE_BLOCK_WRITERS if self.block_writers else 0) | (
             RATE_AUTO_TOLERANCE if self.tolerance is None else 0)
         tol = self.train_ratio if self.tolerance is None else self.tolerance

@@ -3,9 +3,10 @@
 A writer holds one slot in the header and one or more *streams*.  Each
 stream fills its own chunk; when the chunk is full it claims the oldest
 recyclable chunk, links it as the successor, and seals the old one.  All of
-that, and the publish that makes a step visible, is ``_ring``'s protocol
-(``Slot`` and ``Streams``): a writer checks and casts the values, copies
-them into the row ``_ring`` gives it, and asks ``_ring`` to publish.
+that, and the publish that makes a step visible, is the protocol's
+(``protocol.streams``: ``Slot`` and ``Streams``, over ``protocol.ring``): a
+writer checks and casts the values, copies them into the row its streams
+give it, and asks them to publish.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from .._errors import BufferClosedError, SharedMemoryFullError
 from ..protocol.layout import EP_COLUMN, Layout
 from ..protocol.ring import Ring, copy_rows
-from ..protocol.streams import Slot, Streams
+from ..protocol.streams import Slot, Streams, claim_slot
 from .cast import check_flags, coerce, scalar_fast_path
 
 # Forks of this process so far, counted in each child: a writer compares it
@@ -57,7 +58,7 @@ class Writer:
         self._ep_col = views[EP_COLUMN]
         self._done = lay.columns[lay.done_column].name if lay.done_column >= 0 else None
         self._done_index = lay.done_column
-        # A float done column holds flags only (_cast.check_flags); others need no check.
+        # A float done column holds flags only (cast.check_flags); others need no check.
         self._done_dtype = lay.columns[lay.done_column].dtype
         self._float_done = self._done is not None and self._done_dtype.kind in "fc"
         self._bind()
@@ -65,7 +66,7 @@ class Writer:
     def _bind(self) -> None:
         self._pid = os.getpid()
         self._forks = _forks[0]
-        self._slot = self._ring.claim_slot()
+        self._slot = claim_slot(self._ring)
         self._steps = 0
         self._solo: Streams | None = None
         self._batch: Streams | None = None

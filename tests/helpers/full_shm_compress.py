@@ -80,7 +80,7 @@ def main():
             except shmbuf.SharedMemoryFullError as exc:
                 out["parallel_full"] = str(exc)
         out["parallel_left_held"] = sum(
-            1 for word in buf._ring.packing.words.tolist()
+            1 for word in buf.port.packing.words.tolist()
             if unpack_word(word)[1] in (BUSY, PUNCHING) and unpack_word(word)[3] == os.getpid())
         out["true_after_parallel_full"] = true(buf.sample_sequences(16, 12))
         os.unlink(FILLER)

@@ -1,0 +1,80 @@
+"""A batch of windows copied into its targets, with the seqlock re-check and redraws.
+
+Every sampler of a store ends here: ``Buffer.sample_sequences`` and the
+facades' own selectors (``StorePort.sample``) alike.  A selector draws
+located windows, their rows are copied (packed rows decoded), and the
+windows whose chunks were recycled meanwhile are drawn again, so no torn or
+overwritten step is ever returned.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .._errors import SampleRetryError
+
+MAX_REDRAWS = 64
+
+
+def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets: dict,
+           time_major: bool) -> dict:
+    """``batch_size`` windows that ``selector.draw`` picks, copied into ``targets``
+    (``sampling.out.prepare_out``'s); stale ones are redrawn until none is.
+
+    Raises:
+        SampleRetryError: the writers recycled sampled chunks ``MAX_REDRAWS``
+            times in a row.
+    """
+    finder = port.finder
+    windows = selector.draw(finder, rng, batch_size, length, tail)
+    pending = np.arange(batch_size)
+    for _ in range(MAX_REDRAWS):
+        gather(port, windows, pending, targets, time_major, batch_size)
+        stale = ~finder.still_valid(windows)
+        if not stale.any():
+            port.count_sample(batch_size * length)
+            return {k: t.result for k, t in targets.items()}
+        pending = pending[stale]
+        windows = selector.draw(finder, rng, len(pending), length, tail)
+    raise SampleRetryError(
+        f"writers recycled sampled chunks {MAX_REDRAWS} times in a row; the buffer "
+        f"(capacity {port.capacity}) is too small for its ingest rate")
+
+
+def gather(port, windows, pending, targets, time_major, batch_size) -> None:
+    """Copy the rows of ``windows`` into the ``pending`` places of every target."""
+    unpack = port.unpacker
+    if unpack is None:
+        return _gather_rows(port, windows.rows, pending, targets, time_major, batch_size)
+    with unpack.reading():   # no raw page this reads is punched meanwhile
+        flags = unpack.flags(windows.rows, windows.chunks, windows.seqs)
+        if flags is not None and time_major:
+            flags = flags.transpose()
+        _gather_rows(port, windows.rows, pending, targets, time_major, batch_size, flags)
+    return None
+
+
+def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=None) -> None:
+    """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
+    the rows as laid out in the batch) where some chunks are packed."""
+    idx = np.ascontiguousarray(rows.T) if time_major else rows
+    everything = len(pending) == batch_size
+    unpack, views = port.unpacker, port.views
+    for name, target in targets.items():
+        if name == "ids":   # read with the rows, checked by the same seqs after
+            ids = port.step_ids(idx)
+            if everything and target.array is not None:
+                target.array[...] = ids
+            else:
+                target.put(ids, pending, time_major)
+            continue
+        src = views[name]
+        if flags is not None:
+            assert unpack is not None
+            if everything and target.array is not None:
+                unpack.take(name, src, idx, flags, out=target.array)
+            else:
+                target.put(unpack.take(name, src, idx, flags), pending, time_major)
+        elif everything and target.array is not None:
+            np.take(src, idx, axis=0, out=target.array, mode="clip")
+        else:
+            target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
