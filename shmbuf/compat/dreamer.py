@@ -88,6 +88,7 @@ class ReplayBuffer(TransitionFacade):
 
         Several processes may add to the same buffer at once; each process's
         steps form their own stream, and no sampled sequence mixes streams.
+        Nothing is written when any of the errors below is raised.
 
         Args:
             obs: a dict whose ``"image"`` is a ``(C, H, W)`` uint8 frame (other
@@ -106,7 +107,6 @@ class ReplayBuffer(TransitionFacade):
             WritersStoppedError: ``rb.buffer.stop_writers()`` was called (in any
                 process; also while this add waited for the train ratio):
                 the adding loop should end.
-            Nothing is written when any of these is raised.
 
         Example:
             >>> rb.add({"image": np.zeros((3, 64, 64), np.uint8)}, np.zeros(6), 0.0, 0.0)
