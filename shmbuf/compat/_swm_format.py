@@ -47,7 +47,9 @@ class ShmDataset(Dataset):
 
     Args:
         name: the segment (``shm://NAME`` without the scheme).
-        frameskip, num_steps, transform: as swm's ``Dataset``.
+        frameskip: as swm's ``Dataset``.
+        num_steps: as swm's ``Dataset``.
+        transform: as swm's ``Dataset``.
         keys_to_load: the columns to read (default all).
         keys_to_cache: accepted for the HDF5 reader's signature; the table is
             in memory already, so it changes nothing.

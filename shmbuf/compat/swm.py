@@ -220,8 +220,8 @@ class ReplayBuffer(Dataset):
     def write_episodes(self, episodes: Iterable[dict]) -> None:
         """``write_episode`` for each episode of the iterable, in order.
 
-        Raises:
-            What ``write_episode`` raises; the episodes before the bad one stay written.
+        Raises what ``write_episode`` raises; the episodes before the bad one
+        stay written.
         """
         for ep in episodes:
             self.write_episode(ep)

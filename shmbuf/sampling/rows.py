@@ -32,8 +32,9 @@ def take_rows(unpack: Unpacker | None, views: dict[str, np.ndarray], columns,
         views: the buffer's column views (``StorePort.views``).
         columns: the column names to read.
         rows: ``(B, L)`` int64 physical rows, window after window.
-        chunks, seqs: ``(B, H)`` the hops each window was located at (the
-            chunks its rows lie in and their seqs then), as ``Windows`` holds.
+        chunks: ``(B, H)`` the chunks each window's rows lie in (its hops
+            when it was located), as ``Windows`` holds.
+        seqs: ``(B, H)`` those chunks' seqs then, as ``Windows`` holds.
 
     Returns:
         ``{column: (B, L, *shape)}`` arrays of the column's dtype.  Rows of a

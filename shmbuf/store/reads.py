@@ -222,7 +222,8 @@ class Reads(BufferState):
         frames' steps).  An id whose step was evicted is skipped and never
         names another step: the chunks of the held steps are pinned while
         their rows are written, so no writer recycles them meanwhile (a writer
-        that reaches one takes the next chunk).
+        that reaches one takes the next chunk).  Nothing is written when any
+        of the errors below is raised.
 
         Args:
             ids: int64 ids from ``sample_sequences(..., ids=True)["ids"]``, any
@@ -239,9 +240,8 @@ class Reads(BufferState):
                 negative id; a column's value of the wrong shape; no columns.
             KeyError: a column the buffer does not have.
             TypeError: ids that are not int64; a lossy value.
-            Nothing is written when any of these is raised.
             TimeoutError: another process kept a chunk pinned for 10 s (a
-                ``write_steps`` of its own that never ended); nothing was written.
+                ``write_steps`` of its own that never ended).
 
         Example:
             >>> batch = buf.sample_sequences(16, 64, ids=True, time_major=False)
