@@ -796,12 +796,12 @@ def test_only_the_protocol_modules_import_atomic():
 
 
 def test_c_reads_the_chunk_fields_that_layout_defines():
-    from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol import _window_check
     from shmbuf.protocol.ring import Ring
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
     mm = bytearray(lay.total_bytes)
-    read = _windows.read_geometry(Ring(memoryview(mm), lay).geometry, mm)
+    read = _window_check.read_geometry(Ring(memoryview(mm), lay).geometry, mm)
     assert read["entry_bytes"] == L.CHUNK_ENTRY
     for field in ("state", "count", "next", "next_seq", "starts", "ticket"):
         assert read[f"entry_{field}"] == L.CHUNK_FIELDS[field]
@@ -810,7 +810,7 @@ def test_c_reads_the_chunk_fields_that_layout_defines():
 
 
 def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
-    from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol import _window_check
     from shmbuf.protocol.geometry import geometry_of, pack
 
     lay = L.plan({"x": ((), np.float32)}, 100, chunk_size=10, done_key=None)
@@ -819,5 +819,5 @@ def test_c_refuses_a_geometry_whose_fields_leave_the_entry():
     ok = np.zeros(1, np.bool_)
     for bad in ({"entry_state": L.CHUNK_ENTRY}, {"entry_bytes": 4}, {"entry_next": 3}):
         with pytest.raises(ValueError, match="geometry"):
-            _windows.unchanged(mm, pack({**good, **bad}), np.zeros((1, 1), np.int64),
+            _window_check.unchanged(mm, pack({**good, **bad}), np.zeros((1, 1), np.int64),
                                np.zeros((1, 1), np.int64), 1, ok)

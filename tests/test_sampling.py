@@ -677,22 +677,22 @@ def test_sampler_survives_a_scribbled_chunk_table(scribbles):
 
 
 def test_window_check_rejects_arguments_that_do_not_fit(make_buffer):
-    from shmbuf.protocol import _window_check as _windows
+    from shmbuf.protocol import _window_check
     from shmbuf.protocol.geometry import geometry_of, pack
     buf = make_buffer(SPEC, 64, chunk_size=4)
     mm, geometry = buf._segment.mmap, buf._finder.geometry
     picked = np.empty(4, np.int64)
     rows, hops = np.empty((4, 3), np.int64), np.empty((4, 3), np.int64)
     args = (0, 3, 0, 4, 3, picked, rows, hops, hops.copy())
-    assert _windows.find(mm, geometry, np.zeros(4, np.int64), *args) == (0, 4)  # empty
+    assert _window_check.find(mm, geometry, np.zeros(4, np.int64), *args) == (0, 4)  # empty
     with pytest.raises(ValueError, match="8-byte"):
-        _windows.find(mm, geometry, np.zeros(4, np.int32)[:3], *args)
+        _window_check.find(mm, geometry, np.zeros(4, np.int32)[:3], *args)
     with pytest.raises(ValueError, match="geometry"):
-        _windows.find(mm, pack({**geometry_of(buf._layout), "n_chunks": 10**9}),
+        _window_check.find(mm, pack({**geometry_of(buf._layout), "n_chunks": 10**9}),
                       np.zeros(4, np.int64), *args)
     with pytest.raises(ValueError, match="rows"):
-        _windows.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 0, 4, 3, picked,
+        _window_check.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 0, 4, 3, picked,
                       rows[:2], hops, hops.copy())
     with pytest.raises(ValueError, match="tail"):
-        _windows.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 3, 4, 3, picked, rows,
+        _window_check.find(mm, geometry, np.zeros(4, np.int64), 0, 3, 3, 4, 3, picked, rows,
                       hops, hops.copy())

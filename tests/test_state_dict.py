@@ -171,7 +171,7 @@ def test_a_chunk_recycled_while_copied_is_left_out_and_splits_its_stream(make_bu
 
 
 def test_stream_ids_split_a_stream_where_its_chunks_do_not_link():
-    """The one rule state_dict and save both split streams by (``_checkpoint.StreamIds``)."""
+    """The one rule state_dict and save both split streams by (``disk.checkpoint.StreamIds``)."""
     from shmbuf.disk.checkpoint import StreamIds
 
     ids = StreamIds(first_gap_id=100)
