@@ -10,7 +10,7 @@ import multiprocessing as mp
 import multiprocess
 import numpy as np
 import pytest
-from helpers.pools import bounded_pool
+from helpers.procs import bounded_pool
 from helpers.trainer_workers import COUNTER_SPEC, draw_steps, draw_steps_pool, fill_counter
 
 import shmbuf

@@ -10,7 +10,7 @@ import multiprocessing
 
 import numpy as np
 import pytest
-from helpers.pools import bounded_pool
+from helpers.procs import bounded_pool
 from helpers.select_workers import SPEC, draw_starts, fill
 from helpers.stats import chi2_pvalue
 
