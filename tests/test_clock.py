@@ -8,6 +8,7 @@ import multiprocessing
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 from helpers.workers import SPEC, write_steps
 
 import shmbuf
@@ -64,17 +65,8 @@ def test_numbers_are_unique_across_writer_processes(make_buffer):
     buf = make_buffer(SPEC, capacity=20_000, chunk_size=32)
     ctx = multiprocessing.get_context("spawn")
     procs = [ctx.Process(target=write_steps, args=(buf, i, 3000)) for i in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(TIMEOUT)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(TIMEOUT)
+    with running(procs):
+        join_all(procs, TIMEOUT)
     clock, numbers = _numbers(buf)
     assert clock == 9000 == len(numbers)
     assert len(np.unique(numbers)) == 9000 and numbers.min() == 0 and numbers.max() == 8999

@@ -6,6 +6,7 @@ import threading
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -415,17 +416,8 @@ def test_several_collector_processes_write_whole_episodes(make):
     rb = make(max_steps=10_000, history_len=3)
     ctx = mp.get_context("fork")   # spawned children (pickled by name) are tested below
     procs = [ctx.Process(target=write_tagged, args=(rb, w, 6, 25)) for w in range(3)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=120)
-        assert [p.exitcode for p in procs] == [0, 0, 0]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    with running(procs):
+        join_all(procs, 120)
     assert rb.num_episodes == 18 and rb.num_steps_stored == 18 * 25
     seen = set()
     for ep in rb.episodes():
@@ -446,10 +438,8 @@ def test_a_buffer_first_written_by_a_child_lives_until_its_constructor_closes_it
     rb = ReplayBuffer(max_steps=1000)
     try:
         ctx = mp.get_context("spawn")
-        p = ctx.Process(target=write_tagged, args=(rb, 1, 2, 10))
-        p.start()
-        p.join(timeout=120)
-        assert p.exitcode == 0
+        with running([ctx.Process(target=write_tagged, args=(rb, 1, 2, 10))]) as procs:
+            join_all(procs, 120)
         assert rb.num_episodes == 2                # the child exited; the data stayed
         assert os.path.exists(os.path.join(SHM, rb.name))
         # The constructing process adopted it: gc leaves it alone, rm asks for --force.
@@ -637,14 +627,8 @@ def test_compress_travels_to_a_spawned_collector_that_makes_the_segment(frames, 
     try:
         p = mp.get_context("spawn").Process(target=write_frame_episodes,
                                             args=(rb, frames, 0, 6, 100))
-        try:
-            p.start()
-            p.join(timeout=120)
-            assert p.exitcode == 0
-        finally:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+        with running([p]):
+            join_all([p], 120)
         assert rb.num_episodes == 6                     # the collector exited: adopted now
         look = shmbuf.attach(rb.name)
         assert look.stats().owner_pid == os.getpid()
@@ -685,20 +669,16 @@ def test_sampling_while_a_collector_writes_into_a_compressing_buffer(make, frame
     packer = threading.Thread(target=compacting)
     batches = packed_seen = 0
     try:
-        proc.start()
-        packer.start()
-        while proc.exitcode is None and batches < 20_000:
-            packed_seen += compression(rb).compressed_chunks > 0
-            check_clips(frames, rb.sample(32))
-            batches += 1
-        proc.join(timeout=120)
-        assert proc.exitcode == 0
+        with running([proc]):
+            packer.start()
+            while proc.exitcode is None and batches < 20_000:
+                packed_seen += compression(rb).compressed_chunks > 0
+                check_clips(frames, rb.sample(32))
+                batches += 1
+            join_all([proc], 120)
     finally:
         stop.set()
         packer.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=10)
     assert not packer.is_alive() and sum(packed) > 0
     assert packed_seen > 0
     assert rb.num_steps_stored > 4096 // 2   # wrapped, and well filled

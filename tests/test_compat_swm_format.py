@@ -5,6 +5,7 @@ import pickle
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 
 try:   # stable-worldmodel's data layer; some builds fail with more than ImportError
     import stable_worldmodel.data  # noqa: F401
@@ -359,10 +360,8 @@ def test_dataloader_workers_share_the_dataset(shm_name):
 def test_data_outlives_its_writer_and_rm_removes_it(shm_name, capsys):
     name = shm_name()
     ctx = mp.get_context("spawn")
-    p = ctx.Process(target=write_shm_dataset, args=(f"shm://{name}", 3, 8))
-    p.start()
-    p.join(timeout=120)
-    assert p.exitcode == 0
+    with running([ctx.Process(target=write_shm_dataset, args=(f"shm://{name}", 3, 8))]) as procs:
+        join_all(procs, 120)
     ds = load_dataset(f"shm://{name}", num_steps=4)             # a later process reads it
     assert ds.lengths.tolist() == [8, 8, 8]
     ds.close()

@@ -3,6 +3,7 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 
 import shmbuf
 
@@ -177,17 +178,8 @@ def test_episodes_from_spawned_writers_are_whole_and_sampled_untorn(make_buffer)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_episode_writer, args=(buf, 1000 * i, 100, 37))
              for i in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
+    with running(procs):
+        join_all(procs, 60)
     eps = buf.episodes()
     assert len(eps) == 200 and (eps.length == 37).all() and eps.terminal.all()
     ids = check_windows(buf.sample_sequences(4000, 37, uniform="episodes", rng=0))

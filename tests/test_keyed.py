@@ -8,6 +8,7 @@ import numpy as np
 import posix_ipc
 import pytest
 from helpers.keyed_workers import WIDE, code, keyed_writer
+from helpers.procs import join_all, running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -361,15 +362,8 @@ def _close_inherited(r):
 @pytest.mark.slow
 def test_a_forked_child_never_unlinks(rings):
     ctx = mp.get_context("fork")
-    p = ctx.Process(target=_close_inherited, args=(rings,))
-    p.start()
-    try:
-        p.join(timeout=30)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
+    with running([ctx.Process(target=_close_inherited, args=(rings,))]) as procs:
+        join_all(procs, 30)
     assert os.path.exists(os.path.join(SHM, rings.name))
     rings.append([0], rows_for([0], [1]))
 
@@ -402,9 +396,7 @@ def test_spawned_writers_on_disjoint_keys_are_never_torn():
         procs = [ctx.Process(target=keyed_writer, args=(r, keys, stop_r, ready_w, 200_000))
                  for keys in owned]
         newest, ok, lapped = {}, 0, 0
-        try:
-            for p in procs:
-                p.start()
+        with running(procs):
             for _ in procs:
                 assert ready_r.poll(60), "a writer never started"
                 ready_r.recv()
@@ -420,14 +412,7 @@ def test_spawned_writers_on_disjoint_keys_are_never_torn():
                 check_untorn(out, np.minimum(lengths, m), keys, newest)
                 ok += 1
             stop_w.send(True)
-            for p in procs:
-                p.join(timeout=60)
-                assert p.exitcode == 0
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
+            join_all(procs, 60)
         out, lengths = r.read(None, lambda L: np.tile(np.arange(max_len), (4, 1)))
         check_untorn(out, lengths, [0, 1, 2, 3], newest)
         counts = r.counts()

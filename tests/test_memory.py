@@ -15,6 +15,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 
 import shmbuf
 from shmbuf.cli import main as cli_main
@@ -129,14 +130,8 @@ def _claim_and_die(name):
 def test_writer_killed_after_its_reservation_leaks_nothing(make_buffer):
     buf = make_buffer(SPEC, 1 << 9, chunk_size=32)
     p = mp.get_context("spawn").Process(target=_claim_and_die, args=(buf.name,))
-    try:
-        p.start()
-        p.join(TIMEOUT)
-        assert p.exitcode == -signal.SIGKILL
-    finally:
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
+    with running([p]):
+        join_all([p], TIMEOUT, expect=-signal.SIGKILL)   # it killed itself after its claim
     assert buf.stats().reserved_bytes >= chunk_bytes(buf)  # the dead claim's pages stay
     fill(buf, 3 << 9)   # round the ring thrice: the dead claim's chunk is reused
     st = buf.stats()

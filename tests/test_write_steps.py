@@ -1,6 +1,7 @@
 """``Buffer.write_steps``: values written back into sampled steps by id; serial blocks."""
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 
 import shmbuf
 
@@ -107,15 +108,9 @@ def test_a_dead_pinners_pin_holds_nothing(make_buffer):
     ctx = mp.get_context("spawn")
     pinned = ctx.Event()
     p = ctx.Process(target=pin_workers.die_pinning, args=(buf.name, 0, pinned))
-    try:
-        p.start()
+    with running([p]):
         assert pinned.wait(60)
-        p.join(60)
-        assert p.exitcode == -9
-    finally:
-        if p.is_alive():
-            p.kill()
-        p.join(60)
+        join_all([p], 60, expect=-9)
     ids = buf.sample_sequences(4, 4, ids=True, time_major=False, rng=3)
     assert buf.write_steps(ids["ids"], ctx=np.ones((4, 4, 3), np.float32)) == 16  # no wait
     fill(buf, 8, start=32)      # the dead pin does not keep chunk 0
@@ -137,8 +132,7 @@ def test_values_written_back_never_land_in_later_steps(make_buffer):
     ready = ctx.Event()
     p = ctx.Process(target=pin_workers.wrap_until_stopped, args=(buf.name, ready))
     written = 0
-    try:
-        p.start()
+    with running([p]):
         assert ready.wait(60)
         for r in range(3000):
             try:
@@ -148,12 +142,7 @@ def test_values_written_back_never_land_in_later_steps(make_buffer):
             steps = batch["step"].astype(np.float32)
             written += buf.write_steps(batch["ids"], ctx=np.repeat(steps[..., None], 3, -1))
         buf.stop_writers()
-        p.join(60)
-        assert p.exitcode == 0
-    finally:
-        if p.is_alive():
-            p.kill()
-        p.join(60)
+        join_all([p], 60)
     assert written > 0
     for step, row in ctx_of(buf).items():
         assert (row == -1).all() or (row == step).all(), (step, row)
