@@ -28,6 +28,7 @@ from helpers.diamond_workers import (
     step,
     write_worker,
 )
+from helpers.procs import join_all, running
 from torch.utils.data import DataLoader, default_collate
 
 import shmbuf
@@ -452,9 +453,7 @@ def test_spawned_writers_add_through_the_pickled_buffer_while_the_trainer_sample
         check_steps(identities(batch["actions"]), batch["obs"], batch["next_obs"],
                     batch["rewards"], batch["dones"])
 
-    try:
-        for p in procs:
-            p.start()
+    with running(procs):
         for _ in procs:
             assert ready.acquire(timeout=60), "a writer never got going"
         for _ in range(20):   # both writers are mid-stream, each with an open chunk
@@ -464,16 +463,9 @@ def test_spawned_writers_add_through_the_pickled_buffer_while_the_trainer_sample
             if not any(p.is_alive() for p in procs):
                 break
             check_a_batch()
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
+        join_all(procs, 60)
         assert rb.buffer.stats().steps_written == 2 * n_steps
         check_a_batch()
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
 
 
 def test_attach_by_name_shares_the_buffer_and_its_parameters(make_rb):

@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 from helpers import embodied_workers as workers
+from helpers.procs import join_all, running
 from helpers.stats import chi2_pvalue
 from helpers.stop_workers import Script, shm_exists
 
@@ -425,18 +426,10 @@ def test_load_amount_takes_the_newest_chunks(make, tmp_path):
 def _run(ctx, target, args, n: int = 1) -> list:
     queue = ctx.Queue()
     procs = [ctx.Process(target=target, args=args(i, queue)) for i in range(n)]
-    try:
-        for p in procs:
-            p.start()
+    with running(procs):
         got = [queue.get(timeout=TIMEOUT) for _ in procs]
-        for p in procs:
-            p.join(TIMEOUT)
+        join_all(procs, TIMEOUT, expect=None)
         return got
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(TIMEOUT)
 
 
 @pytest.mark.slow
@@ -546,13 +539,11 @@ def test_sigkilled_actors_leave_consistent_items_and_their_slots(make):
     ctx = mp.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=workers.add_forever, args=(r, w, queue)) for w in range(2)]
-    try:
-        for p in procs:
-            p.start()
+    with running(procs):
         assert sorted(queue.get(timeout=TIMEOUT)[1] for _ in procs) == [0, 1]
-        for p in procs:
+        for p in procs:   # the actors die mid-add: what the test is about
             p.kill()
-            p.join(TIMEOUT)
+        join_all(procs, TIMEOUT, expect=-signal.SIGKILL)
         for _ in range(20):
             data = r.sample(16)
             assert (data["step"] - data["step"][:, :1] == np.arange(4)).all()
@@ -560,11 +551,6 @@ def test_sigkilled_actors_leave_consistent_items_and_their_slots(make):
         # The dead actors' writer slots are free again: two new actors add.
         got = _run(ctx, workers.add_steps, lambda i, q: (r, 10 + i, 6, q), n=2)
         assert sorted(got) == [("ok", 10), ("ok", 11)]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(TIMEOUT)
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.keyed_workers import history_info, history_worker, pixels_for
+from helpers.procs import join_all, running
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -710,26 +711,23 @@ def test_spawned_workers_append_their_envs_while_the_planner_gets():
              for envs in owned]       # pickled before the segment exists: they attach lazily
     newest, ok, lapped = {}, 0, 0
     try:
-        for p in procs:
-            p.start()
-        buf.append(history_info(np.arange(n_envs), 0))   # creates the segment
-        go_w.send(True)
-        for _ in procs:
-            assert ready_r.poll(60), "a worker never started"
-            ready_r.recv()
-        for i in range(300):
-            envs = [3, 0, 1, 2] if i % 2 else None
-            try:
-                out = buf.get(n, envs)
-            except shmbuf.SampleRetryError:
-                lapped += 1
-                continue
-            check_history(out, list(range(n_envs)) if envs is None else envs, n, ab, newest)
-            ok += 1
-        stop_w.send(True)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
+        with running(procs):
+            buf.append(history_info(np.arange(n_envs), 0))   # creates the segment
+            go_w.send(True)
+            for _ in procs:
+                assert ready_r.poll(60), "a worker never started"
+                ready_r.recv()
+            for i in range(300):
+                envs = [3, 0, 1, 2] if i % 2 else None
+                try:
+                    out = buf.get(n, envs)
+                except shmbuf.SampleRetryError:
+                    lapped += 1
+                    continue
+                check_history(out, list(range(n_envs)) if envs is None else envs, n, ab, newest)
+                ok += 1
+            stop_w.send(True)
+            join_all(procs, 60)
         assert os.path.exists(os.path.join(SHM, buf.name))  # workers never unlink
         final = buf.get(n)
         check_history(final, range(n_envs), n, ab, newest)
@@ -737,8 +735,4 @@ def test_spawned_workers_append_their_envs_while_the_planner_gets():
         print(f"planner gets: {ok} verified, {lapped} lapped every retry")
     finally:
         stop_w.send(True)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=10)
         buf.close()

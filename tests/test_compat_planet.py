@@ -20,6 +20,7 @@ from helpers.planet_workers import (
     obs_value,
     record,
 )
+from helpers.procs import join_all, running
 
 import shmbuf
 from shmbuf.compat.planet import Episode, Memory, SampleTooLargeError
@@ -625,24 +626,17 @@ def test_spawned_workers_append_while_the_trainer_samples():
              for w in range(3)]
     checked = 0
     try:
-        for p in procs:
-            p.start()
-        assert ready.acquire(timeout=60), f"no worker appended: {[p.exitcode for p in procs]}"
-        deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
-        while any(p.is_alive() for p in procs):
-            assert time.monotonic() < deadline, "workers did not finish"
-            time_first = checked % 2 == 1
-            seqs, lengths = memory.sample(16, tracelen=3, time_first=time_first)
-            checked += len(check_batch(seqs, lengths, 3, time_first))
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
+        with running(procs):
+            assert ready.acquire(timeout=60), f"no worker appended: {[p.exitcode for p in procs]}"
+            deadline = time.monotonic() + 120  # a hang guard, not a timing assertion
+            while any(p.is_alive() for p in procs):
+                assert time.monotonic() < deadline, "workers did not finish"
+                time_first = checked % 2 == 1
+                seqs, lengths = memory.sample(16, tracelen=3, time_first=time_first)
+                checked += len(check_batch(seqs, lengths, 3, time_first))
+            join_all(procs, 60)
         assert len(memory) == size
         found = draws(memory, 2000, 3)
         assert len({(w, k) for w, k, _ in found}) <= size
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=10)
         memory.close()

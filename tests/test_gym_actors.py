@@ -7,6 +7,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 from helpers.gym_actors import actor_until_stopped, cartpole_actor, read_versions
+from helpers.procs import running
 
 import shmbuf
 from shmbuf.gym import run_actor, spec_for
@@ -21,15 +22,6 @@ def block():
     b = ParamBlock.create(TEMPLATE)
     yield b
     b.close()
-
-
-def stop_all(procs):
-    for p in procs:
-        p.join(timeout=30)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
 
 
 def test_publish_and_read_round_trip(block):
@@ -121,15 +113,12 @@ def test_reads_are_never_torn_while_the_trainer_publishes(block):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=read_versions, args=(block, 3000, out))
-    try:
-        proc.start()
+    with running([proc], timeout=30):
         for version in range(1, 100_000):
             block.publish({k: np.full_like(v, version) for k, v in TEMPLATE.items()})
             if not proc.is_alive() or (version > 2000 and not out.empty()):
                 break
         torn, seen = out.get(timeout=60)
-    finally:
-        stop_all([proc])
     assert proc.exitcode == 0
     assert torn == 0 and seen > 1
 
@@ -143,9 +132,7 @@ def test_spawned_actors_record_with_the_newest_weights():
         stop, out = ctx.Event(), ctx.Queue()
         procs = [ctx.Process(target=cartpole_actor, args=(buf, block, stop, seed, out))
                  for seed in range(2)]
-        try:
-            for p in procs:
-                p.start()
+        with running(procs, timeout=30):
             block.publish({"w": np.zeros(4, np.float32)})        # always push left
             buf.wait_ready(min_steps=200, timeout=60)
             # A policy that balances: push towards the side the pole leans to.
@@ -153,9 +140,6 @@ def test_spawned_actors_record_with_the_newest_weights():
             shmbuf_wait(lambda: balanced_streams(buf) == 2)
             stop.set()
             results = [out.get(timeout=60) for _ in procs]
-        finally:
-            stop.set()
-            stop_all(procs)
         assert [p.exitcode for p in procs] == [0, 0]
         assert all(r["version"] == 2 for r in results)
         assert buf.stats().writers == 0
@@ -172,15 +156,11 @@ def test_actors_end_when_the_trainer_stops_the_writers():
         out = ctx.Queue()
         procs = [ctx.Process(target=actor_until_stopped, args=(buf, seed, out))
                  for seed in range(2)]
-        try:
-            for p in procs:
-                p.start()
+        with running(procs, timeout=30):
             for _ in range(20):
                 buf.sample_sequences(4, 8, timeout=60)
             buf.stop_writers()
             results = [out.get(timeout=60) for _ in procs]
-        finally:
-            stop_all(procs)
         assert [p.exitcode for p in procs] == [0, 0]
         # An actor that started late may have waited from its first row on: 0 steps.
         assert all(r["stopped"] for r in results) and sum(r["steps"] for r in results) > 0, \

@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 from helpers.handoff_workers import LEAD, lend_batches
+from helpers.procs import join_all, running
 
 TIMEOUT = 60
 
@@ -17,17 +18,13 @@ def lender(request):
     ctx = mp.get_context("fork")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=lend_batches, args=(there, 3, request.param))
-    proc.start()
-    try:
-        assert here.poll(TIMEOUT), "the lender never sent its batches"
-        yield here, here.recv(), proc, request.param
-    finally:
-        if proc.is_alive():
-            here.send("stop")
-        proc.join(TIMEOUT)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(TIMEOUT)
+    with running([proc], TIMEOUT):
+        try:
+            assert here.poll(TIMEOUT), "the lender never sent its batches"
+            yield here, here.recv(), proc, request.param
+        finally:
+            if proc.is_alive():
+                here.send("stop")
 
 
 def _states(conn) -> list:
@@ -65,8 +62,7 @@ def test_a_batch_of_a_worker_that_exited_is_a_clear_error(lender):
     conn, payloads, proc, _ = lender
     first = pickle.loads(payloads[0])      # mapped while the worker lives
     conn.send("stop")
-    proc.join(TIMEOUT)
-    assert proc.exitcode == 0
+    join_all([proc], TIMEOUT)
     assert (first["x"] == 0).all()         # the mapping outlives the worker
     from shmbuf.feed import handoff as _handoff
 

@@ -25,6 +25,7 @@ from helpers.history_workers import (
     until_closed,
 )
 from helpers.keyed_workers import history_info, history_worker
+from helpers.procs import join_all, reap
 from helpers.shm import own_entries
 from helpers.stop_workers import TIMEOUT, shm_exists
 
@@ -52,13 +53,6 @@ def closed_by_another_process(segment_holder) -> None:
 def receive(conn, timeout: float = TIMEOUT):
     assert conn.poll(timeout), f"no report from the child within {timeout} s"
     return conn.recv()
-
-
-def stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-        p.join(TIMEOUT)
 
 
 # -- the closed mark -------------------------------------------------------------------------
@@ -152,12 +146,11 @@ def test_a_worker_stops_with_buffer_closed_when_the_owner_closes(op):
         assert kind == "closed", message
         assert "closed by its owner" in message and f"pid {os.getpid()}" in message
         assert repr(name) in message
-        worker.join(TIMEOUT)
-        assert worker.exitcode == 0
+        join_all([worker], TIMEOUT)
         assert not shm_exists(name)
     finally:
         buf.close()
-        stop([worker])
+        reap([worker])
 
 
 # -- adoption ----------------------------------------------------------------------------------
@@ -209,12 +202,11 @@ def test_the_adopter_keeps_the_data_and_the_workers_keep_appending():
         assert not shm_exists(name)
         kind, _, message = receive(report)
         assert kind == "closed" and f"closed by its owner (pid {os.getpid()})" in message
-        worker.join(TIMEOUT)
-        assert worker.exitcode == 0
+        join_all([worker], TIMEOUT)
     finally:
         if buf is not None:
             buf.close()
-        stop([worker])
+        reap([worker])
         remove(name)
 
 
@@ -374,11 +366,10 @@ def test_saves_while_a_worker_appends_hold_whole_consecutive_entries(tmp_path):
                 check_entries(loaded.get(64), range(4))
         assert newest == sorted(newest) and newest[-1] > newest[0]  # saved while it appended
         stop_w.send(True)
-        worker.join(TIMEOUT)
-        assert worker.exitcode == 0
+        join_all([worker], TIMEOUT)
     finally:
         stop_w.send(True)
-        stop([worker])
+        reap([worker])
         buf.close()
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.priority_workers import draw_starts, update_forever, update_rounds
+from helpers.procs import running
 from helpers.stats import chi2_pvalue
 
 import shmbuf
@@ -253,25 +254,18 @@ def test_prioritized_draws_spread_over_processes_follow_the_score():
         set_random(buf, seed=4)
         ctx = mp.get_context("spawn")
         procs, conns = [], []
-        try:
+        with running(procs, timeout=30):
             for seed in range(3):
                 mine, theirs = ctx.Pipe()
-                p = ctx.Process(target=draw_starts,
-                                args=(buf.name, 100 + seed, 8, 2000, 8, 0.8, 0.5, theirs))
-                p.start()
-                procs.append(p)
+                procs.append(ctx.Process(target=draw_starts, args=(
+                    buf.name, 100 + seed, 8, 2000, 8, 0.8, 0.5, theirs)))
+                procs[-1].start()
                 conns.append(mine)
             drawn = []
             for c in conns:
                 assert c.poll(120), "a drawing child did not answer"
                 drawn.append(c.recv())
             check_follows(buf, np.concatenate(drawn), 8, 0.8, 0.5)
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
 
 
 @pytest.mark.slow
@@ -376,29 +370,24 @@ def test_two_processes_updating_the_same_blocks_at_once_lose_nothing():
         start = ctx.Barrier(3)
         procs, conns = [], []
         try:
-            for i, (half, final) in enumerate(zip(halves, finals)):
-                mine, theirs = ctx.Pipe()
-                p = ctx.Process(target=update_rounds,
-                                args=(buf.name, half, 20 + i, rounds, final, start, theirs))
-                p.start()
-                procs.append(p)
-                conns.append(mine)
-            for r in range(rounds + 1):
-                if r < rounds:
-                    start.wait(60)
-                while not all(c.poll(0) for c in conns):   # while they update
-                    bounds_hold(buf, set_only=True)
-                    assert all(p.is_alive() for p in procs), "an updater died"
-                for c in conns:
-                    assert c.recv() == r
-                bounds_hold(buf)
+            with running(procs, timeout=30):
+                for i, (half, final) in enumerate(zip(halves, finals)):
+                    mine, theirs = ctx.Pipe()
+                    procs.append(ctx.Process(target=update_rounds, args=(
+                        buf.name, half, 20 + i, rounds, final, start, theirs)))
+                    procs[-1].start()
+                    conns.append(mine)
+                for r in range(rounds + 1):
+                    if r < rounds:
+                        start.wait(60)
+                    while not all(c.poll(0) for c in conns):   # while they update
+                        bounds_hold(buf, set_only=True)
+                        assert all(p.is_alive() for p in procs), "an updater died"
+                    for c in conns:
+                        assert c.recv() == r
+                    bounds_hold(buf)
         finally:
             start.abort()
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
         for half, final in zip(halves, finals):
             assert np.array_equal(buf.priorities_of(half), final)
         assert buf._ring.priorities.stale_nodes() == (0, 0)
@@ -414,17 +403,11 @@ def test_sigkill_during_updates_leaves_priorities_usable():
             ids = all_ids(buf)
             mine, theirs = ctx.Pipe()
             p = ctx.Process(target=update_forever, args=(buf.name, ids, round_, theirs))
-            p.start()
-            try:
+            with running([p], timeout=30):
                 for _ in range(int(rng.integers(1, 4))):
                     assert mine.poll(60), "the updater did not start"
                     mine.recv_bytes()
                 os.kill(p.pid, signal.SIGKILL)   # most likely in the middle of a call
-            finally:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
             assert p.exitcode == -signal.SIGKILL
             bounds_hold(buf)
             batch = buf.sample_sequences(8, 4, ids=True)

@@ -10,7 +10,7 @@ import multiprocessing as mp
 import multiprocess
 import numpy as np
 import pytest
-from helpers.procs import bounded_pool
+from helpers.procs import bounded_pool, join_all, running
 from helpers.trainer_workers import COUNTER_SPEC, draw_steps, draw_steps_pool, fill_counter
 
 import shmbuf
@@ -21,22 +21,12 @@ TIMEOUT = 60
 
 
 def _children_draw(ctx, buf, n_children=3, n=16):
-    results, procs = ctx.Queue(), []
-    try:
-        for _ in range(n_children):
-            p = ctx.Process(target=draw_steps, args=(buf, n, results))
-            p.start()
-            procs.append(p)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=draw_steps, args=(buf, n, results)) for _ in range(n_children)]
+    with running(procs):
         got = [results.get(timeout=TIMEOUT) for _ in procs]
-        for p in procs:
-            p.join(TIMEOUT)
-        assert [p.exitcode for p in procs] == [0] * n_children
+        join_all(procs, TIMEOUT)
         return got
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(TIMEOUT)
 
 
 def _expected(buf, seed, pid, n=16):
