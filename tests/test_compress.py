@@ -20,6 +20,7 @@ import shmbuf
 pytest.importorskip("zstandard")   # the compress extra (the test extra installs it)
 from helpers.atari import FRAME, SHM, check, fill, shm_used, spec
 from helpers.atari import play as _play
+from helpers.procs import join_all, reap, running
 
 from shmbuf import Compress
 from shmbuf.select import AgeBuckets, Mixture, Prioritized, Recency, Uniform
@@ -359,30 +360,25 @@ def test_samples_stay_true_while_writers_run_and_the_compressor_is_killed(
     writers = [ctx.Process(target=cw.write_frames, args=(buf.name, frames_file, 400 * k, stop, r))
                for k, r in enumerate(readies)]
     killed, rng, batches, left_held = set(), np.random.default_rng(0), 0, 0
-    comp = None
-    try:
-        for p in writers:
-            p.start()
+    with running(writers):
         assert all(r.wait(TIMEOUT) for r in readies)
         for _ in range(6):
             started = ctx.Event()
             comp = ctx.Process(target=cw.compact_forever, args=(buf.name, started))
-            comp.start()
-            assert started.wait(TIMEOUT)
-            deadline = time.monotonic() + rng.uniform(0.02, 0.3)
-            while time.monotonic() < deadline:   # sample while it compresses
-                if len(buf) >= 64:
-                    check(frames, buf.sample_sequences(16, 24))
-                    batches += 1
-            os.kill(comp.pid, signal.SIGKILL)
-            comp.join(TIMEOUT)
+            with running([comp]):
+                assert started.wait(TIMEOUT)
+                deadline = time.monotonic() + rng.uniform(0.02, 0.3)
+                while time.monotonic() < deadline:   # sample while it compresses
+                    if len(buf) >= 64:
+                        check(frames, buf.sample_sequences(16, 24))
+                        batches += 1
+                os.kill(comp.pid, signal.SIGKILL)
+                comp.join(TIMEOUT)
             killed.add(comp.pid)
             left_held += len(words_left_by(buf, {comp.pid}))
             check(frames, buf.sample_sequences(16, 24))
         stop.set()
-        for p in writers:
-            p.join(TIMEOUT)
-            assert p.exitcode == 0
+        join_all(writers, TIMEOUT)
         buf.compact(timeout=TIMEOUT)          # takes over what the dead left held
         assert words_left_by(buf, killed) == []
         c = buf.stats().compression
@@ -392,12 +388,6 @@ def test_samples_stay_true_while_writers_run_and_the_compressor_is_killed(
         for ep in buf.iter_episodes():
             check(frames, ep)
         assert batches > 0
-    finally:
-        stop.set()
-        for p in writers + ([comp] if comp is not None else []):
-            if p.is_alive():
-                p.kill()
-            p.join(TIMEOUT)
 
 
 @pytest.mark.slow
@@ -411,8 +401,7 @@ def test_an_adopter_goes_on_compressing(frames_file, frames):
     try:
         owner.start()
         assert filled.wait(TIMEOUT)
-        owner.join(TIMEOUT)
-        assert owner.exitcode == -signal.SIGKILL
+        join_all([owner], TIMEOUT, expect=-signal.SIGKILL)
         reader = shmbuf.attach(name)       # not the owner: it compresses nothing
         try:
             assert reader.stats().compression.compressed_chunks == 0
@@ -427,9 +416,7 @@ def test_an_adopter_goes_on_compressing(frames_file, frames):
         poll(packed, TIMEOUT, lambda: TimeoutError("the adopter never compressed"))
         check(frames, buf.sample_sequences(16, 20))
     finally:
-        if owner.is_alive():
-            owner.kill()
-        owner.join(TIMEOUT)
+        reap([owner])
         if buf is not None:
             buf.close()
         else:
@@ -523,15 +510,9 @@ def test_a_compressor_killed_while_holding_a_chunk(make_buffer, frames, phase):
     ctx = mp.get_context("spawn")
     held = ctx.Queue()
     p = ctx.Process(target=cw.die_holding, args=(buf.name, phase, held))
-    try:
-        p.start()
+    with running([p]):
         held.get(timeout=TIMEOUT)
-        p.join(TIMEOUT)
-        assert p.exitcode == -signal.SIGKILL
-    finally:
-        if p.is_alive():
-            p.kill()
-        p.join(TIMEOUT)
+        join_all([p], TIMEOUT, expect=-signal.SIGKILL)
     assert len(words_left_by(buf, {p.pid})) == 1
     check(frames, buf.snapshot()["columns"])      # every chunk, that one included
     for _ in range(3):

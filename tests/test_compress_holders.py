@@ -10,6 +10,7 @@ import multiprocessing as mp
 import numpy as np
 import pytest
 from helpers.atari import FRAME, play
+from helpers.procs import running
 
 import shmbuf
 from shmbuf.posix.procs import stamp_of, start_time
@@ -31,15 +32,11 @@ def live_pid():
     ctx = mp.get_context("spawn")
     release = ctx.Event()
     p = ctx.Process(target=cw.wait_for, args=(release,))
-    try:
-        p.start()
-        yield p.pid
-    finally:
-        release.set()
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
+    with running([p], TIMEOUT):
+        try:
+            yield p.pid
+        finally:
+            release.set()
 
 
 def _held(frames, pid, stamp):

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 from helpers.workers import SPEC, episode_steps, extend_until, verify_batch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -275,9 +276,7 @@ def test_readers_see_whole_steps_while_spawned_writers_extend(make_buffer):
     procs = [ctx.Process(target=extend_until, args=(buf, i, stop, ready, 200_000),
                          kwargs=dict(episode_len=31 + 10 * i, run=7 + 20 * i))
              for i in (1, 2)]
-    try:
-        for p in procs:
-            p.start()
+    with running(procs):
         deadline = time.monotonic() + TIMEOUT
         for _ in procs:
             while not ready.acquire(timeout=0.1):
@@ -295,18 +294,9 @@ def test_readers_see_whole_steps_while_spawned_writers_extend(make_buffer):
                 continue
             verified += verify_batch(batch)
         stop.set()
-        for p in procs:
-            p.join(TIMEOUT)
-        assert [p.exitcode for p in procs] == [0, 0]
+        join_all(procs, TIMEOUT)
         assert verified > 1000
         assert buf.stats().steps_written > buf.capacity
-    finally:
-        for p in procs:
-            if p.pid is not None and p.is_alive():
-                p.kill()
-        for p in procs:
-            if p.pid is not None:
-                p.join(TIMEOUT)
 
 
 # -- the chunk entry's episode starts decide windows exactly as the _ep column does ----

@@ -13,6 +13,7 @@ import time
 import multiprocess
 import numpy as np
 import pytest
+from helpers.procs import join_all, reap, running
 from helpers.workers import (
     SPEC,
     add_with_inherited_writer,
@@ -34,10 +35,11 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 class Children:
     """Worker processes sharing a ``stop`` event and a ``ready`` semaphore.
 
-    On exit every child still running is killed and every child is reaped.
-    The event and semaphore are named POSIX semaphores under spawn and
-    forkserver, unlinked when garbage collected; dropping every reference on
-    exit keeps a failing test's traceback from holding them past teardown.
+    On exit every child still running is killed at once (``stop_and_join`` is the
+    orderly end) and every child is reaped.  The event and semaphore are named POSIX
+    semaphores under spawn and forkserver, unlinked when garbage collected; dropping
+    every reference on exit keeps a failing test's traceback from holding them past
+    teardown.
     """
 
     def __init__(self, ctx, jobs):
@@ -69,28 +71,13 @@ class Children:
 
     def stop_and_join(self) -> None:
         self.stop.set()
-        join_all(self.procs)
+        join_all(self.procs, TIMEOUT)
 
     def __exit__(self, *exc):
         try:
             reap(self.procs)
         finally:
             self.procs, self.stop, self.ready = [], None, None
-
-
-def reap(procs) -> None:
-    for p in procs:
-        if p.pid is not None and p.is_alive():
-            p.kill()
-    for p in procs:
-        if p.pid is not None:
-            p.join(TIMEOUT)
-
-
-def join_all(procs) -> None:
-    for p in procs:
-        p.join(TIMEOUT)
-    assert [p.exitcode for p in procs] == [0] * len(procs)
 
 
 def sample_and_verify(buf, rounds: int, batch_size: int, lengths, seed: int, select=None):
@@ -169,11 +156,8 @@ def test_forked_child_gets_new_streams_from_inherited_writer(make_buffer):
             w.add(**step)
         assert buf.stats().streams == 1
         child = ctx.Process(target=add_with_inherited_writer, args=(w, 2, 150, 9))
-        try:
-            child.start()
-            join_all([child])
-        finally:
-            reap([child])
+        with running([child]):
+            join_all([child], TIMEOUT)
         assert buf.stats().streams == 2, "the child must have opened a stream of its own"
         for step in parent_steps[13:]:
             w.add(**step)
@@ -204,13 +188,9 @@ def test_wait_ready_returns_once_spawned_writers_wrote_enough(make_buffer):
     with pytest.raises(shmbuf.WaitTimeoutError):
         buf.wait_ready(min_steps=1, timeout=0.01)
     procs = [ctx.Process(target=write_steps, args=(buf, i, 400)) for i in (1, 2)]
-    try:
-        for p in procs:
-            p.start()
+    with running(procs):
         assert buf.wait_ready(min_steps=300, timeout=TIMEOUT) >= 300
-        join_all(procs)
-    finally:
-        reap(procs)
+        join_all(procs, TIMEOUT)
     assert buf.wait_ready(min_steps=800, timeout=0) == 800
     verified, _ = sample_and_verify(buf, 10, 32, (10,), seed=4)
     assert verified == 320

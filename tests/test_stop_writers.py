@@ -4,20 +4,13 @@ import multiprocessing as mp
 
 import numpy as np
 import pytest
+from helpers.procs import bounded_pool, reap
 from helpers.stopped_writers import SPEC, write_one, write_until_stopped
 
 import shmbuf
 from shmbuf.posix.wait import poll
 
 TIMEOUT = 60
-
-
-def _join(procs):
-    for p in procs:
-        p.join(TIMEOUT)
-        if p.is_alive():
-            p.kill()
-            p.join(TIMEOUT)
 
 
 @pytest.mark.slow
@@ -44,7 +37,7 @@ def test_writers_waiting_on_the_rate_limit_in_other_processes_stop():
             got = sorted(reports.get(timeout=TIMEOUT) for _ in procs)
         finally:
             buf.stop_writers()   # on a failure too: nothing is left waiting 300 s
-            _join(procs)
+            reap(procs, TIMEOUT)
         assert [(how, err) for how, err, _, _ in got] == [
             ("add", "WritersStoppedError"), ("add_batch", "WritersStoppedError"),
             ("extend", "WritersStoppedError")], got
@@ -80,14 +73,10 @@ def test_a_stop_holds_for_processes_that_attach_later(make_buffer):
     buf = make_buffer(SPEC, 256)
     ctx = mp.get_context("spawn")
     buf.stop_writers()
-    with ctx.Pool(1) as pool:
-        try:
-            assert pool.apply_async(write_one, (buf,)).get(TIMEOUT) == "WritersStoppedError"
-            buf.resume_writers()
-            assert pool.apply_async(write_one, (buf,)).get(TIMEOUT) == "ok"
-        finally:
-            pool.terminate()
-            pool.join()
+    with bounded_pool(ctx, 1, TIMEOUT) as pool:
+        assert pool.apply_async(write_one, (buf,)).get(TIMEOUT) == "WritersStoppedError"
+        buf.resume_writers()
+        assert pool.apply_async(write_one, (buf,)).get(TIMEOUT) == "ok"
     assert len(buf) == 1
 
 

@@ -16,6 +16,7 @@ import sys
 import numpy as np
 
 import shmbuf
+from helpers.procs import join_all, running
 
 ROW = 4096
 FILLER = "/dev/shm/filler"
@@ -65,29 +66,23 @@ def main():
     procs = [ctx.Process(target=writer, args=(buf.name, i, reports, go_on, started))
              for i in range(2)]
     try:
-        for p in procs:
-            p.start()
-        full = [reports.get(timeout=WAIT) for _ in procs]
-        out["full"] = [{"wid": r[1], "steps": r[2], "error": r[3]} for r in full if r[0] == "full"]
-        out["reserved_full"] = buf.stats().reserved_bytes
-        batch = buf.sample_sequences(16, 8)  # the trainer goes on with what is held
-        out["sampled"] = int(batch["obs"].shape[1])
-        out["live_before"] = len(buf)
-        os.unlink(FILLER)
-        go_on.set()
-        out["resumed"] = [reports.get(timeout=WAIT)[2] for _ in procs]
-        out["live_after"] = len(buf)
-        out["sampled_after"] = int(buf.sample_sequences(16, 8)["obs"].shape[1])
-        for p in procs:
-            p.join(WAIT)
-        out["exitcodes"] = [p.exitcode for p in procs]
+        with running(procs, WAIT):
+            full = [reports.get(timeout=WAIT) for _ in procs]
+            out["full"] = [{"wid": r[1], "steps": r[2], "error": r[3]}
+                           for r in full if r[0] == "full"]
+            out["reserved_full"] = buf.stats().reserved_bytes
+            batch = buf.sample_sequences(16, 8)  # the trainer goes on with what is held
+            out["sampled"] = int(batch["obs"].shape[1])
+            out["live_before"] = len(buf)
+            os.unlink(FILLER)
+            go_on.set()
+            out["resumed"] = [reports.get(timeout=WAIT)[2] for _ in procs]
+            out["live_after"] = len(buf)
+            out["sampled_after"] = int(buf.sample_sequences(16, 8)["obs"].shape[1])
+            out["exitcodes"] = join_all(procs, WAIT, expect=None)  # the test judges them
         out["sigbus"] = -signal.SIGBUS
         out["name"] = buf.name
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(WAIT)
         buf.close()
     print(json.dumps(out))
 

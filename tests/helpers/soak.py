@@ -18,6 +18,7 @@ import numpy as np
 # tests/, so that ``helpers`` imports when this file is run as a script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shmbuf  # noqa: E402
+from helpers.procs import join_all, running  # noqa: E402
 from helpers.workers import SPEC, episode_steps, verify_batch  # noqa: E402
 
 
@@ -61,38 +62,29 @@ def run(seconds: float = 60.0, n_writers: int = 4, n_readers: int = 2) -> dict:
     stop_writers, stop_readers = ctx.Event(), ctx.Event()
     busy, idle = ctx.Event(), ctx.Event()
     results = ctx.Queue()
-    procs = []
     with shmbuf.create(SPEC, capacity=50_000, seed=0) as buf:
-        try:
-            writers = [ctx.Process(target=_writer, args=(buf, i, stop_writers))
-                       for i in range(n_writers)]
-            readers = [ctx.Process(target=_reader, args=(buf, busy, idle, stop_readers, results))
-                       for _ in range(n_readers)]
-            procs = writers + readers
-            for p in writers:
-                p.start()
+        writers = [ctx.Process(target=_writer, args=(buf, i, stop_writers))
+                   for i in range(n_writers)]
+        readers = [ctx.Process(target=_reader, args=(buf, busy, idle, stop_readers, results))
+                   for _ in range(n_readers)]
+        procs = list(writers)
+        with running(procs):
             buf.wait_ready(min_steps=5_000, timeout=120)
+            procs += readers              # reaped with the writers
             for p in readers:
                 p.start()
             busy.set()
             time.sleep(seconds * 0.6)  # the soak's duration, not a synchronisation
             stop_writers.set()
-            for p in writers:
-                p.join(timeout=60)
+            join_all(writers, 60, expect=None)
             busy.clear()
             written = buf.stats().steps_written
             idle.set()
             time.sleep(seconds * 0.4)
             stop_readers.set()
             got = [results.get(timeout=120) for _ in readers]
-            for p in readers:
-                p.join(timeout=60)
+            join_all(readers, 60, expect=None)
             codes = [p.exitcode for p in procs]
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join(timeout=10)
     lat_busy = np.concatenate([r["busy"] for r in got]) * 1e3
     lat_idle = np.concatenate([r["idle"] for r in got]) * 1e3
     return {

@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from helpers.procs import reap
+
 COUNTER_SPEC = {"x": ((), np.int64), "done": ((), np.bool_)}
 
 
@@ -66,10 +68,5 @@ class Writers:
 
     def __exit__(self, *exc):
         self.stop.set()
-        for p in self.procs:
-            p.join(self.timeout)
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-                p.join(self.timeout)
+        reap(self.procs, self.timeout)
         self.procs, self.stop, self.ready = [], None, None

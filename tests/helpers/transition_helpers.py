@@ -4,6 +4,7 @@ Kept out of test files so that spawned children can import it.
 """
 import multiprocessing as mp
 
+from helpers.procs import join_all, running
 from helpers.workers import step_for
 from shmbuf.compat.dreamer import ReplayBuffer
 
@@ -79,37 +80,32 @@ def run_writers(rb, lengths: dict, n_steps: int, tail: int, while_writing, while
     ctx = mp.get_context("spawn")
     procs, conns = [], []
     try:
-        for writer, n in lengths.items():
-            mine, theirs = ctx.Pipe()
-            conns.append(mine)
-            procs.append(ctx.Process(target=writer_proc,
-                                     args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
-            procs[-1].start()
-            theirs.close()
-        for conn in conns:
-            expect(conn, "ready")
-        waiting, batches = list(conns), 0
-        while waiting and batches < 80:   # sample while they write
-            while_writing()
-            batches += 1
-            for conn in [c for c in waiting if c.poll(0)]:
+        with running(procs, JOIN_S):
+            for writer, n in lengths.items():
+                mine, theirs = ctx.Pipe()
+                conns.append(mine)
+                procs.append(ctx.Process(target=writer_proc,
+                                         args=(rb, writer, n_steps, n, tail, theirs), daemon=True))
+                procs[-1].start()
+                theirs.close()
+            for conn in conns:
+                expect(conn, "ready")
+            waiting, batches = list(conns), 0
+            while waiting and batches < 80:   # sample while they write
+                while_writing()
+                batches += 1
+                for conn in [c for c in waiting if c.poll(0)]:
+                    expect(conn, "paused")
+                    waiting.remove(conn)
+            for conn in waiting:
                 expect(conn, "paused")
-                waiting.remove(conn)
-        for conn in waiting:
-            expect(conn, "paused")
-        for conn in conns:
-            conn.send("go")
-        while any(p.is_alive() for p in procs) and batches < 160:
-            while_finishing()
-            batches += 1
-        for p in procs:
-            p.join(JOIN_S)
-            assert p.exitcode == 0, f"writer exited with {p.exitcode}"
+            for conn in conns:
+                conn.send("go")
+            while any(p.is_alive() for p in procs) and batches < 160:
+                while_finishing()
+                batches += 1
+            join_all(procs, JOIN_S)
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(10)
         for conn in conns:
             conn.close()
 
@@ -132,17 +128,13 @@ def run_attacher(target, name: str) -> tuple:
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=target, args=(name, theirs), daemon=True)
     try:
-        proc.start()
-        theirs.close()
-        assert mine.poll(JOIN_S), "the child never reported"
-        first = mine.recv()
-        assert first[0] == "params", first
-        assert mine.poll(JOIN_S) and mine.recv() == ("done",)
-        proc.join(JOIN_S)
-        assert proc.exitcode == 0
+        with running([proc], JOIN_S):
+            theirs.close()
+            assert mine.poll(JOIN_S), "the child never reported"
+            first = mine.recv()
+            assert first[0] == "params", first
+            assert mine.poll(JOIN_S) and mine.recv() == ("done",)
+            join_all([proc], JOIN_S)
     finally:
-        if proc.is_alive():
-            proc.kill()
-        proc.join(10)
         mine.close()
     return first
