@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import posix_ipc
 import pytest
+from helpers.procs import join_all, running
 
 import shmbuf
 
@@ -25,14 +26,10 @@ def _orphan(name: str) -> None:
             f"done_key=None, name={name!r}); print('ready', flush=True); sys.stdin.read()")
     child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
-    try:
+    with running([child]):
         assert child.stdout.readline().strip() == "ready"
         child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
+        join_all([child], 30, expect=-signal.SIGKILL)
 
 
 def _remove(name: str) -> None:
@@ -234,11 +231,7 @@ def test_a_reader_that_leaves_early_gets_no_traceback(make_buffer):
     child = subprocess.Popen([sys.executable, "-m", "shmbuf", "info", buf.name],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     child.stdout.close()
-    try:
+    with running([child]):
         err = child.stderr.read().decode()
-        assert child.wait(timeout=60) == 141
-    finally:
-        if child.poll() is None:
-            child.kill()
-            child.wait(timeout=30)
+        join_all([child], 60, expect=141)
     assert "Traceback" not in err and "BrokenPipeError" not in err, err

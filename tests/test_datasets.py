@@ -8,6 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
+from helpers.procs import join_all, running
 
 import shmbuf
 
@@ -377,7 +378,7 @@ def test_cli_import_holds_the_buffer_until_sigterm_and_export_writes_it(tmp_path
     holder = subprocess.Popen([sys.executable, "-m", "shmbuf", "import",
                                f"swm:{tmp_path / 'a.h5'}", "--name", name],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with running([holder]):
         line = holder.stdout.readline()        # printed once the import is complete
         assert line.split("\t") == [name, "17", "3\n"], holder.stderr.read()
         with shmbuf.attach(name) as buf:
@@ -391,11 +392,7 @@ def test_cli_import_holds_the_buffer_until_sigterm_and_export_writes_it(tmp_path
         got = shmbuf_cli("rm", name)
         assert got.returncode == 1 and "live process" in got.stderr  # the holder owns it
         holder.send_signal(signal.SIGTERM)
-        assert holder.wait(timeout=60) == -signal.SIGTERM
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait(timeout=60)
+        join_all([holder], 60, expect=-signal.SIGTERM)
     no_segment(name)
     got = shmbuf_cli("import", f"swm:{tmp_path / 'missing.h5'}", "--name", name)
     assert got.returncode == 1 and "no file at" in got.stderr
@@ -424,19 +421,15 @@ def test_cli_import_minari_stops_when_the_buffer_is_removed(minari_root):
     holder = subprocess.Popen([sys.executable, "-m", "shmbuf", "import",
                                "minari:test/cartpole-v0", "--name", name],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with running([holder]):
         assert holder.stdout.readline().startswith(name + "\t"), holder.stderr.read()
         got = shmbuf_cli("export", name, "--to", "minari:test/cartpole-cli-v0")
         assert got.returncode == 0, got.stderr
         assert_same_dataset(minari.load_dataset("test/cartpole-v0"),
                             minari.load_dataset("test/cartpole-cli-v0"))
         assert shmbuf_cli("rm", "--force", name).returncode == 0
-        assert holder.wait(timeout=60) == 0
+        join_all([holder], 60)
         assert "removed by another process" in holder.stderr.read()
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait(timeout=60)
 
 
 @pytest.mark.slow

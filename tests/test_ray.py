@@ -24,6 +24,7 @@ import time
 
 import numpy as np
 import pytest
+from helpers.procs import reap
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # driver resolves loopback
 TAG = f"shmbuf-ray-test-{os.getpid()}"        # in the environment of every node and worker
@@ -689,9 +690,7 @@ def test_a_restarted_trainer_reconnects_by_name(cluster):
         assert sum(s.live_steps for s in rb.stats()) == 300
         check_windows(rb.sample_sequences(32, 10), 10)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=T)
+        reap([proc])
         if rb is None:
             rb = sray.connect(name, namespace=NS, own=True)
         rb.close()

@@ -15,6 +15,7 @@ import sys
 import textwrap
 import time
 
+from helpers.procs import reap
 from helpers.workers import step_for
 from shmbuf.posix.procs import start_time
 from shmbuf.posix.wait import poll
@@ -96,9 +97,8 @@ class Script:
         os.kill(self.pid, signum)
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(TIMEOUT)
+        """SIGKILL it if it still runs, and reap it."""
+        reap([self.proc])
 
     def close(self) -> None:
         self.kill()
