@@ -6,13 +6,14 @@ The children that would never finish wait on an event with a long timeout, so
 only the helper's kill ends them in time.
 """
 import multiprocessing as mp
+import os
 import signal
 import subprocess
 import sys
 
 import multiprocess
 import pytest
-from helpers.procs import join_all, reap, running
+from helpers.procs import join_all, reap, running, wait_pid
 
 LONG = 600   # what a hung child would wait; the tests end far sooner or fail by timeout
 
@@ -78,3 +79,23 @@ def test_popen_children_and_unstarted_processes():
     assert child.returncode == -signal.SIGKILL and unstarted.pid is None
     with running([subprocess.Popen([sys.executable, "-c", "raise SystemExit(4)"])]) as procs:
         assert join_all(procs, expect=4) == [4]
+
+
+def test_wait_pid_reaps_a_forked_child_and_kills_a_hung_one():
+    r, w = os.pipe()
+    done = os.fork()
+    if done == 0:
+        os._exit(3)
+    hung = os.fork()
+    if hung == 0:
+        os.close(w)
+        os.read(r, 1)      # blocks until the parent closes its end: never, here
+        os._exit(0)
+    try:
+        assert wait_pid(done, 30) == 3
+        assert wait_pid(hung, 0.2) is None              # still blocked: killed and reaped
+        with pytest.raises(ChildProcessError):
+            os.waitpid(hung, os.WNOHANG)                # nothing left to reap
+    finally:
+        os.close(r)
+        os.close(w)

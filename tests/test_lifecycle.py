@@ -11,8 +11,6 @@ import mmap
 import os
 import pickle
 import secrets
-import select
-import signal
 import stat
 import struct
 import subprocess
@@ -24,6 +22,7 @@ import weakref
 import numpy as np
 import posix_ipc
 import pytest
+from helpers.procs import wait_pid
 from helpers.shm import own_entries
 from helpers.workers import SPEC, step_for, verify_batch, write_steps
 
@@ -71,21 +70,9 @@ def run_forked(body, timeout=CHILD_TIMEOUT):
             traceback.print_exc()
         finally:
             os._exit(code)
-    reaped = False
-    try:
-        pidfd = os.pidfd_open(pid)
-        try:
-            ready, _, _ = select.select([pidfd], [], [], timeout)
-        finally:
-            os.close(pidfd)
-        assert ready, f"forked child did not exit within {timeout} s"
-        _, status = os.waitpid(pid, 0)
-        reaped = True
-        return os.waitstatus_to_exitcode(status)
-    finally:
-        if not reaped:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    code = wait_pid(pid, timeout)   # killed and reaped if it hangs
+    assert code is not None, f"forked child did not exit within {timeout} s"
+    return code
 
 
 def run_python(code, timeout=CHILD_TIMEOUT):

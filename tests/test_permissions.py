@@ -4,6 +4,7 @@ import select
 import stat
 
 import pytest
+from helpers.procs import wait_pid
 
 import shmbuf
 
@@ -39,7 +40,8 @@ def test_other_user_cannot_attach(make_buffer):
         got = os.read(read_end, 1) if ready else b"timeout"
     finally:
         os.close(read_end)
-        os.waitpid(pid, 0)
+        code = wait_pid(pid, 30)
+    assert code == 0, f"child exit code {code} (None: still running after 30 s, killed)"
     assert got == bytes([0]), f"child attach result code {got!r} (1: attached, 2: wrong error)"
 
 

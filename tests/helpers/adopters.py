@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import time
 
 import shmbuf
-from shmbuf.posix.wait import poll
+from helpers.procs import kill_pid, wait_pid
 
 TIMEOUT = 60
 
@@ -89,11 +88,7 @@ def rival_adopters(adopt, n: int = 4) -> list[dict]:
         return results
     finally:
         for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except ProcessLookupError:
-                pass
+            kill_pid(pid)
         for fd in (go_r, go_w, out_r, out_w, done_r, done_w):
             os.close(fd)
 
@@ -111,9 +106,8 @@ def _lines(fd: int, n: int, timeout: float = TIMEOUT) -> list[bytes]:
 
 
 def _exit_code(pid: int, timeout: float = TIMEOUT) -> int:
-    """Reap child ``pid``; its exit code (negative: the signal); AssertionError on a hang."""
-    def reaped():
-        done, status = os.waitpid(pid, os.WNOHANG)
-        return os.waitstatus_to_exitcode(status) if done else None
-
-    return poll(reaped, timeout, lambda: AssertionError(f"child {pid} still runs {timeout} s on"))
+    """Reap child ``pid``; its exit code (negative: the signal); AssertionError on a hang
+    (the child is killed and reaped first)."""
+    code = wait_pid(pid, timeout)
+    assert code is not None, f"child {pid} still ran {timeout} s on"
+    return code

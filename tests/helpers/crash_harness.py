@@ -28,6 +28,7 @@ import numpy as np
 # tests/, so that ``helpers`` imports when this file is run as a script.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import shmbuf  # noqa: E402
+from helpers.procs import kill_pid  # noqa: E402
 from helpers.workers import SPEC, step_for, verify_batch  # noqa: E402
 
 HANG_SECONDS = 20
@@ -96,11 +97,7 @@ def _spawn(target, *args) -> int:
 
 
 def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    os.waitpid(pid, 0)
+    kill_pid(pid)
 
 
 def _left_mid_claim(buf, pid: int) -> int:

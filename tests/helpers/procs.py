@@ -3,7 +3,8 @@
 Every test that starts a process must end it, whatever happens: a child left
 running holds segments, semaphores and the test session itself.  Here that is
 done once, for ``multiprocessing`` and ``multiprocess`` processes of any start
-method (fork, spawn, forkserver) and for ``subprocess.Popen`` children::
+method (fork, spawn, forkserver), for ``subprocess.Popen`` children, and for
+bare ``os.fork`` pids (``wait_pid``, ``kill_pid``)::
 
     procs = [ctx.Process(target=work, args=(buf, i)) for i in range(3)]
     with running(procs):
@@ -19,6 +20,9 @@ is a kill keeps that kill in the test; ``running`` only cleans up.
 from __future__ import annotations
 
 import contextlib
+import os
+import select
+import signal
 import subprocess
 import time
 
@@ -80,6 +84,30 @@ def reap(procs, grace: float = 0.0) -> None:
         if _alive(p):
             p.kill()
             _join(p, KILL_WAIT)
+
+
+def wait_pid(pid: int, timeout: float = TIMEOUT) -> int | None:
+    """Reap the forked child ``pid`` (``os.fork``) once it exits within ``timeout``: its
+    exit code (negative: the signal that ended it), or None if it still ran then, in
+    which case it was sent SIGKILL and reaped (``kill_pid``)."""
+    pidfd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([pidfd], [], [], timeout)
+    finally:
+        os.close(pidfd)
+    if not ready:
+        kill_pid(pid)
+        return None
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def kill_pid(pid: int) -> None:
+    """Send the forked child ``pid`` SIGKILL (if it still runs) and reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)   # SIGKILL cannot be caught: this returns at once
 
 
 @contextlib.contextmanager
