@@ -542,7 +542,7 @@ def test_a_compressing_buffer_reads_bit_identical_to_a_raw_one(make, frames, zst
     # Their raw pages are given back: the column's own view reads zeros there (every
     # frame has pixels), so only the packed read returns the frames.
     view = packed._view()
-    lost = np.take(buf._parts.views["c0"], view.rows, axis=0).reshape(len(view.rows), -1)
+    lost = np.take(buf.port.views["c0"], view.rows, axis=0).reshape(len(view.rows), -1)
     assert (lost.max(axis=1) == 0).sum() >= 20 * buf.chunk_size
     for step in range(6):
         a, b = raw.sample(64, step=step), packed.sample(64, step=step)
