@@ -75,16 +75,16 @@ class WindowFinder:
         picked = np.empty(need, np.int64)
         rows = np.empty((need, length), np.int64)
         chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
-        found, _ = _window_check.find(self.mm, self.geometry, starts, span, length, tail, need,
-                                 hops, picked, rows, chunks, seqs, self.preempt)
+        found, _ = _window_check.find(self.mm, self.geometry, starts, span, length, tail,
+                                      need, hops, picked, rows, chunks, seqs, self.preempt)
         return Windows(rows[:found], chunks[:found], seqs[:found])
 
     def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
         """The candidate ``starts`` (int64) that begin a valid window now."""
         picked = np.empty(len(starts), np.int64)
-        found, _ = _window_check.find(self.mm, self.geometry, starts, 0, length, tail, len(starts),
-                                 max_hops(length, self.k), picked, None, None, None,
-                                 self.preempt)
+        found, _ = _window_check.find(self.mm, self.geometry, starts, 0, length, tail,
+                                      len(starts), max_hops(length, self.k), picked, None,
+                                      None, None, self.preempt)
         return starts[picked[:found]]
 
     def count_valid(self, length: int, tail: int, rng: np.random.Generator,
@@ -107,8 +107,8 @@ class WindowFinder:
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
         ok = np.empty(len(w.rows), np.bool_)
-        _window_check.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1], ok,
-                           self.preempt)
+        _window_check.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1],
+                                ok, self.preempt)
         return ok
 
     def draw(self, rng: np.random.Generator, batch: int, length: int, tail: int = 0) -> Windows:
