@@ -16,11 +16,13 @@ The calls, by what they serve:
 - steps: ``step_ids`` of rows, ``priority_values`` (the priority of each row and
   whether one was set in its claim);
 - chunks: ``live_chunks``, ``final_chunks``, ``chunk_seqs`` (each chunk's seq
-  now), ``unchanged`` (the seqlock re-check), ``links``, ``chunk_base``;
+  now), ``unchanged`` (the seqlock re-check), ``chunk_base``;
 - episodes: ``episodes_logged``, ``episode_slots``, ``read_episodes``;
-- the buffer's state: ``live`` (not closed anywhere), ``stop_mark``,
-  ``count_sample``; ``packing`` and ``unpacker``, a compressing buffer's chunk
-  words and packed-row reader (None otherwise);
+- the buffer's state: ``live`` and ``check_live`` (not closed anywhere),
+  ``stop_mark``, ``count_sample``; ``packing`` and ``unpacker``, a compressing
+  buffer's chunk words and packed-row reader (None otherwise);
+- the buffer's own checks and parts: ``sample_args``, ``check_priorities``,
+  ``writer``, ``savers``, ``limiter``, ``random``, ``owner_pid``, ``views``;
 - saving's own access: ``ring``, the protocol object that disk/ copies
   chunks and episodes through.
 """
@@ -49,8 +51,8 @@ if TYPE_CHECKING:  # annotations only
 class StorePort:
     """One step store's door, over the parts its owner ``Buffer`` made in this process.
 
-    The buffer keeps its port; the port holds the buffer's writer factory only
-    weakly, so a dropped buffer still unlinks at once.
+    The buffer keeps its port; the port holds the buffer's methods only weakly,
+    so a dropped buffer still unlinks at once.
     """
 
     __slots__ = ("ring", "views", "finder", "limiter", "random", "owner_pid", "packing",
