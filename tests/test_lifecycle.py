@@ -500,6 +500,23 @@ def test_owner_dropped_without_close_unlinks():
     assert not exists(name)
 
 
+def test_a_held_port_keeps_no_dropped_owner_alive():
+    """``Buffer.port`` holds the buffer's methods weakly: an owner dropped while a facade
+    (or anyone) keeps its port unlinks at once, without waiting for a gc pass."""
+    was = gc.isenabled()
+    gc.disable()   # "at once": by reference count alone
+    try:
+        box = [shmbuf.create(SPEC, 16, name=fresh_name())]
+        name, port = box[0].name, box[0].port
+        box.clear()
+        assert not exists(name), "the port kept its dropped owner (and the segment) alive"
+        with pytest.raises(ReferenceError, match="dropped"):
+            port.writer()
+    finally:
+        if was:
+            gc.enable()
+
+
 def test_attacher_dropped_without_close_does_not_unlink(make_buffer):
     owner = make_buffer(capacity=16)
     box = [shmbuf.attach(owner.name)]
