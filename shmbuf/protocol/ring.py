@@ -626,6 +626,13 @@ class Ring:
         atomic.fence_acquire()
         return nxt, self.chunk_table[chunks, _NEXT_SEQ].astype(np.int64)
 
+    def seqs_of(self, chunks: np.ndarray) -> np.ndarray:
+        """Each of ``chunks``' seq now (int64; odd while it is being recycled), loaded
+        before whatever the caller reads next (acquire after), as ``live_chunks``'."""
+        seqs = chunk_seqs(self.chunk_table[chunks, _STATE])
+        atomic.fence_acquire()
+        return seqs
+
     def unchanged(self, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """After reading rows: True where each (chunk, seq) still holds (acquire first)."""
         atomic.fence_acquire()

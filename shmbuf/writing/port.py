@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..protocol.layout import chunk_seqs
 from ..sampling import gather as _gather
 from ..sampling.rows import take_rows as _take_rows
 
@@ -156,7 +155,7 @@ class StorePort:
 
     def chunk_seqs(self, chunks: np.ndarray) -> np.ndarray:
         """Each of ``chunks``' seq now (int64; odd while it is being recycled)."""
-        return chunk_seqs(self.ring.chunk_states()[0][chunks])
+        return self.ring.seqs_of(chunks)
 
     def unchanged(self, chunks: np.ndarray, seqs: np.ndarray) -> np.ndarray:
         """After rows were read: True where each chunk still has its seq."""
