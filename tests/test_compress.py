@@ -441,8 +441,9 @@ def test_info_shows_compression(make_buffer, frames, capsys):
 
 
 # -- a full /dev/shm --------------------------------------------------------------------------
-@pytest.mark.slow
-def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
+def run_in_small_shm(module: str, size: str) -> dict:
+    """Run ``python -m module`` with /dev/shm a fresh tmpfs of ``size`` of its own (a
+    mount namespace, root only); return the JSON line it printed last."""
     import json
     import subprocess
     import sys
@@ -453,14 +454,19 @@ def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
     if probe.returncode:
         pytest.skip(f"unshare -m is not permitted here: {probe.stderr.decode().strip()}")
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    script = ("mount -t tmpfs -o size=8m shmbuf-test /dev/shm && "
-              f"exec {sys.executable} -m helpers.full_shm_compress")
+    script = (f"mount -t tmpfs -o size={size} shmbuf-test /dev/shm && "
+              f"exec {sys.executable} -m {module}")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [tests_dir] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     run = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True,
                          timeout=4 * TIMEOUT, env=env, cwd=tests_dir, check=False)
     assert run.returncode == 0, run.stderr.decode()[-3000:]   # a SIGBUS would be -7 here
-    out = json.loads(run.stdout.decode().strip().splitlines()[-1])
+    return json.loads(run.stdout.decode().strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
+    out = run_in_small_shm("helpers.full_shm_compress", "8m")
     assert out["shm_bytes"] == 8 << 20
     assert out["compact_full"] is not None and "compressed columns" in out["compact_full"]
     assert out["wrap_full"] is not None and "again" in out["wrap_full"]
@@ -468,6 +474,19 @@ def test_full_dev_shm_gives_shared_memory_full_error_never_sigbus():
     assert out["true_after_compact_full"] and out["true_when_full"] and out["true_at_end"]
     assert out["parallel_full"] is not None and "compressed columns" in out["parallel_full"]
     assert out["parallel_left_held"] == 0 and out["true_after_parallel_full"]
+
+
+@pytest.mark.slow
+def test_a_full_dev_shm_keeps_each_streams_steps_its_newest_run():
+    # Wrapping into a compressed chunk with /dev/shm full fails at the claim; the chunk
+    # must stay next to recycle, not keep its old steps for a lap (out of FIFO order).
+    out = run_in_small_shm("helpers.full_shm_fifo", "64m")
+    assert out["shm_bytes"] == 64 << 20
+    assert all(e is not None and "Nothing was written" in e for e in out["full"]), out["full"]
+    for wid, held in enumerate(out["runs"]):
+        newest = out["written"][wid] - 1
+        assert len(held) == 1 and held[0][1] == newest, (wid, held)
+    assert out["true"]
 
 
 # -- the facades ------------------------------------------------------------------------------

@@ -436,6 +436,28 @@ class PackWords:
         return True
 
     # -- the recycler (Ring.recycle, after its state CAS) -------------------------------
+    def reserve_raw(self, chunk: int, word: int | None = None) -> bool:
+        """Reserve ``chunk``'s raw pages of its packed columns again, as its recycle will;
+        False (nothing reserved) if a live compressor holds it (``word``: its word as
+        read, default: read now).  Also before the claim's ticket moves (``Ring``), so
+        that a full /dev/shm stops the claim while the chunk is still next in FIFO order.
+
+        Raises:
+            SharedMemoryFullError: /dev/shm cannot hold them.
+        """
+        word = self.word(chunk) if word is None else word
+        if word == 0:
+            return True   # raw: its pages are reserved
+        _, phase, _, pid = unpack_word(word)
+        if phase in (BUSY, PUNCHING) and self.held_by_live(chunk, pid):
+            return False
+        # Packed, or left by a dead compressor: raw pages may be holes.  Reserving
+        # pages that are reserved changes nothing, so this is always safe.
+        for col in self.plan.columns:
+            lo, hi = self.plan.raw_range(col, chunk, inward=False)
+            self.reserve(lo, hi - lo, f"chunk {chunk}'s rows of {col.name!r} again")
+        return True
+
     def on_recycle(self, chunk: int) -> bool:
         """Make ``chunk`` raw again for a writer that has just claimed it (seq odd,
         nothing written yet); False: a live compressor holds it, undo the claim.
@@ -449,14 +471,8 @@ class PackWords:
             word = atomic.load_acquire(self.mm, off)
             if word == 0:
                 return True
-            _, phase, _, pid = unpack_word(word)
-            if phase in (BUSY, PUNCHING) and self.held_by_live(chunk, pid):
+            if not self.reserve_raw(chunk, word):
                 return False
-            # Packed, or left by a dead compressor: raw pages may be holes.  Reserving
-            # pages that are reserved changes nothing, so this is always safe.
-            for col in self.plan.columns:
-                lo, hi = self.plan.raw_range(col, chunk, inward=False)
-                self.reserve(lo, hi - lo, f"chunk {chunk}'s rows of {col.name!r} again")
             if atomic.compare_exchange(self.mm, off, word, 0):
                 break
         start = self.plan.slot(chunk)

@@ -217,6 +217,11 @@ class Ring:
             for col in lay.columns:
                 if col.name not in unreserved:
                     space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
+        elif self.packing is not None:
+            # A packed chunk's raw pages, before the ticket moves: a full /dev/shm then
+            # leaves this chunk next in FIFO order instead of skipping it for a lap with its
+            # old steps (recycle reserves them again; a no-op unless punched meanwhile).
+            self.packing.reserve_raw(chunk % lay.n_chunks)
         self._reserve_episodes(self.counter("episode_ticket") + rows)
 
     def reserve_rows(self, chunk: int, names) -> None:
