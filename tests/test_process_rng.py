@@ -133,3 +133,110 @@ def test_a_pickled_buffer_keeps_its_seed(make_buffer):
     buf = make_buffer(COUNTER_SPEC, 100, seed=9)
     with pickle.loads(pickle.dumps(buf)) as again:
         assert again._random.seed == 9
+
+
+# -- data-parallel ranks --------------------------------------------------------------------
+def test_a_rank_is_mixed_into_every_seeded_place(monkeypatch):
+    import os
+
+    from shmbuf.sampling.rng import RANK, WORKER, current_place
+
+    monkeypatch.setenv("RANK", "3")
+    owner = ProcessRandom(7, owner_pid=os.getpid(), name="test-rank")
+    assert owner.get().integers(1 << 60) == np.random.default_rng(
+        stream_seed(7, (RANK, 3))).integers(1 << 60)
+    child = ProcessRandom(7, owner_pid=1, name="test-rank")
+    assert child.get().integers(1 << 60) == np.random.default_rng(
+        stream_seed(7, (RANK, 3, CHILD, os.getpid()))).integers(1 << 60)
+    assert current_place(1, 3)[:3] == (RANK, 3, CHILD)
+    assert WORKER not in current_place(os.getpid(), 3)
+    # Rank 0 keeps the stream a process without a rank draws.
+    monkeypatch.setenv("RANK", "0")
+    zero = ProcessRandom(7, owner_pid=os.getpid(), name="test-rank")
+    assert zero.get().integers(1 << 60) == np.random.default_rng(7).integers(1 << 60)
+
+
+def test_a_pickled_stream_carries_its_rank(monkeypatch):
+    import os
+    import pickle
+
+    from shmbuf.sampling.rng import RANK
+
+    monkeypatch.setenv("RANK", "2")
+    sent = pickle.dumps(ProcessRandom(7, owner_pid=1, name="test-rank-pickle"))
+    monkeypatch.delenv("RANK")   # a receiver without a rank of its own (a spawned worker)
+    got = pickle.loads(sent).get()
+    assert got.integers(1 << 60) == np.random.default_rng(
+        stream_seed(7, (RANK, 2, CHILD, os.getpid()))).integers(1 << 60)
+
+
+@pytest.mark.parametrize("bad", ["x", "-1", "1.5"])
+def test_a_bad_rank_variable_is_named(monkeypatch, bad):
+    monkeypatch.setenv("RANK", bad)
+    with pytest.raises(ValueError, match=f"environment variable RANK is '{bad}'"):
+        ProcessRandom(7, owner_pid=1, name="test-bad-rank").get()
+    ProcessRandom(None).get()   # an unseeded stream has no use for the rank
+
+
+def _job(how: str, name: str) -> dict:
+    """Run the two ranks of one job (helpers.rank_workers); ``{rank: their draws}``."""
+    import socket
+
+    from helpers.rank_workers import rank_draws
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_draws, args=(rank, how, port, name, results))
+             for rank in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        got = dict(results.get(timeout=4 * TIMEOUT) for _ in procs)
+        for p in procs:
+            p.join(TIMEOUT)
+        assert [p.exitcode for p in procs] == [0, 0]
+        return got
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(TIMEOUT)
+
+
+@pytest.mark.slow
+def test_data_parallel_ranks_draw_their_own_batches_and_reruns_repeat_them(make_buffer):
+    pytest.importorskip("torch")
+    buf = make_buffer(COUNTER_SPEC, 4000)
+    fill_counter(buf, 4000)
+    group = _job("group", buf.name)   # a real gloo group on 127.0.0.1, RANK unset
+    env = _job("env", buf.name)       # RANK only, as a launcher sets it
+    for draws in (group, env):
+        for kind in ("loader_fork", "loader_spawn", "sample_sequences", "prefetch"):
+            assert draws[0][kind] != draws[1][kind], kind
+    # Both ways of naming the rank give each rank the same stream: a rerun repeats it.
+    assert group == env
+
+
+def test_the_rank_variable_is_read_without_importing_torch():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np, shmbuf\n"
+            "from shmbuf.sampling.rng import RANK, stream_seed\n"
+            "with shmbuf.create({'x': ((), np.int64)}, 64, done_key=None, seed=7,\n"
+            "                   handle_signals=False) as buf:\n"
+            "    w = buf.writer()\n"
+            "    for i in range(64): w.add(x=i)\n"
+            "    w.close()\n"
+            "    got = buf.sample_steps(16)['x']\n"
+            "    rng = np.random.default_rng(stream_seed(7, (RANK, 5)))\n"
+            "    want = buf.sample_steps(16, rng=rng)\n"
+            "assert got.tolist() == want['x'].tolist(), (got, want)\n"
+            "assert 'torch' not in sys.modules\n")
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, RANK="5"),
+                         capture_output=True, timeout=TIMEOUT, check=False)
+    assert run.returncode == 0, run.stderr.decode()[-2000:]

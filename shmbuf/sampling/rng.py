@@ -30,6 +30,33 @@ process's stream from the beginning, as ``np.random.default_rng`` would;
 objects that arrive by pickle (a Pool unpickles its arguments for every
 task) continue one stream per process, buffer and seed instead of
 repeating it.
+
+Data-parallel ranks.  Every rank of a job seeds torch alike (Lightning's
+``seed_everything``), so its DataLoader workers would get the same ``base``,
+and a rank that made its own buffer with ``seed=s`` would be its owner like
+every other rank: each rank would draw the others' batches.  So a process
+of rank ``r >= 1`` prefixes its place with ``(RANK, r)``:
+
+=====================================  ==============================================
+place, in rank ``r >= 1``              SeedSequence
+=====================================  ==============================================
+the buffer's owner                     ``SeedSequence(s, spawn_key=(3, r))``
+DataLoader worker ``id``               ``SeedSequence(s, spawn_key=(3, r, 1, id, base))``
+any other process, by pid              ``SeedSequence(s, spawn_key=(3, r, 2, pid))``
+=====================================  ==============================================
+
+Rank 0, and a process with no rank, keep the first table, so a job of one
+process draws what it drew before.  A process's rank is
+``torch.distributed.get_rank()`` when a process group is initialized in it
+(looked up only if torch is imported already: this module never imports
+it); else, in a process that received the object by pickle (a spawned
+DataLoader worker), the rank of the process that pickled it; else the
+``RANK`` environment variable (torchrun, Lightning and Accelerate set it);
+else none.  Everything in the tables is a function of the seeds, the rank
+and the worker ids, so a rerun of a job with the same seeds repeats each
+rank's batches (but for the pid-keyed places, as before).  ``prefetch``
+and ``sample_sequences`` without ``rng=`` draw from the process's stream,
+so they follow the same rule.
 """
 from __future__ import annotations
 
@@ -38,26 +65,52 @@ import sys
 
 import numpy as np
 
-OWNER, WORKER, CHILD = 0, 1, 2
+OWNER, WORKER, CHILD, RANK = 0, 1, 2, 3
 
 
 def stream_seed(seed: int, place: tuple = ()) -> np.random.SeedSequence:
-    """The ``SeedSequence`` of the process at ``place`` (see the module table).
+    """The ``SeedSequence`` of the process at ``place`` (see the module tables).
 
     ``place`` is ``()`` for the owner, ``(WORKER, id, base)`` for a
-    DataLoader worker, ``(CHILD, pid)`` for any other process.
+    DataLoader worker, ``(CHILD, pid)`` for any other process; in a rank
+    ``r >= 1`` it begins with ``(RANK, r)``.
     """
     return np.random.SeedSequence(seed, spawn_key=tuple(int(p) for p in place))
 
 
-def current_place(owner_pid: int) -> tuple:
-    """Where this process stands: the owner, a DataLoader worker, or another child."""
+def current_place(owner_pid: int, rank: int | None = None) -> tuple:
+    """Where this process stands: the owner, a DataLoader worker, or another child, in
+    data-parallel rank ``rank`` (``current_rank``)."""
+    prefix = (RANK, rank) if rank else ()
     info = _worker_info()
     if info is not None:
-        return (WORKER, info.id, (info.seed - info.id) & 0xFFFFFFFFFFFFFFFF)
+        return prefix + (WORKER, info.id, (info.seed - info.id) & 0xFFFFFFFFFFFFFFFF)
     if os.getpid() == owner_pid:
-        return ()
-    return (CHILD, os.getpid())
+        return prefix
+    return prefix + (CHILD, os.getpid())
+
+
+def current_rank(pickled: int | None = None) -> int | None:
+    """This process's data-parallel rank, or None (the module docstring's rule).
+
+    ``pickled``: the rank of the process that pickled the asking object, if any.
+
+    Raises:
+        ValueError: no process group here and ``RANK`` is not an int >= 0.
+    """
+    dist = sys.modules.get("torch.distributed")   # never imported here (see the docstring)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    if pickled is not None:
+        return pickled
+    env = os.environ.get("RANK", "").strip()
+    if not env:
+        return None
+    if not env.isdigit():
+        raise ValueError(f"the environment variable RANK is {env!r}; shmbuf mixes the "
+                         "data-parallel rank into each process's random stream and expects "
+                         "an int >= 0 (as torchrun sets it), or RANK unset")
+    return int(env)
 
 
 def _worker_info():
@@ -78,13 +131,14 @@ class ProcessRandom:
     """A seed (or None) that gives each process its own ``np.random.Generator``.
 
     ``get()`` returns this process's generator, made on first use in the
-    process (and again after a fork, or in a new round of DataLoader
-    workers).  ``shared``: draw from the process's one stream of buffer
-    ``name`` and this seed (what unpickled objects do).
+    process (and again after a fork, in a new round of DataLoader workers, or
+    when the process's rank changes).  ``shared``: draw from the process's one
+    stream of buffer ``name`` and this seed (what unpickled objects do).
+    ``rank``: the rank of the process that pickled this object (``current_rank``).
     """
 
     def __init__(self, seed=None, owner_pid: int | None = None, name: str = "",
-                 shared: bool = False):
+                 shared: bool = False, rank: int | None = None):
         if isinstance(seed, bool) or seed is not None and not isinstance(seed, (int, np.integer)):
             raise TypeError(f"seed must be None or a non-negative int, got {seed!r}")
         if seed is not None and seed < 0:
@@ -93,23 +147,29 @@ class ProcessRandom:
         self.owner_pid = os.getpid() if owner_pid is None else owner_pid
         self.name = name
         self.shared = shared
-        self._key: tuple[int, int | None] | None = None
+        self._pickled_rank = rank
+        self._key: tuple[int, int | None, int | None] | None = None
         self._gen: np.random.Generator = None  # type: ignore[assignment]  # made by the first get()
 
     def get(self) -> np.random.Generator:
         """This process's generator."""
         info = _worker_info()
-        key = (os.getpid(), None if info is None else info.seed)
+        key = (os.getpid(), None if info is None else info.seed, self._rank())
         if key != self._key:
             self._gen = self._make(key)
             self._key = key
         return self._gen
 
+    def _rank(self) -> int | None:
+        """This process's rank, for a seeded stream only (an unseeded one ignores it)."""
+        return None if self.seed is None else current_rank(self._pickled_rank)
+
     def _make(self, key) -> np.random.Generator:
         if self.seed is None:
             return np.random.default_rng()
+        place = current_place(self.owner_pid, key[2])
         if not self.shared:
-            return np.random.default_rng(stream_seed(self.seed, current_place(self.owner_pid)))
+            return np.random.default_rng(stream_seed(self.seed, place))
         shared = (self.name, self.seed, key)
         gen = _STREAMS.get(shared)
         if gen is None:
@@ -117,12 +177,13 @@ class ProcessRandom:
                 del _STREAMS[stale]   # inherited through a fork: not this process's
             while len(_STREAMS) >= _MAX_STREAMS:
                 del _STREAMS[next(iter(_STREAMS))]
-            gen = _STREAMS[shared] = np.random.default_rng(
-                stream_seed(self.seed, current_place(self.owner_pid)))
+            gen = _STREAMS[shared] = np.random.default_rng(stream_seed(self.seed, place))
         return gen
 
     def __getstate__(self):
-        return {"seed": self.seed, "owner_pid": self.owner_pid, "name": self.name}
+        return {"seed": self.seed, "owner_pid": self.owner_pid, "name": self.name,
+                "rank": self._rank()}
 
     def __setstate__(self, state):
-        ProcessRandom.__init__(self, state["seed"], state["owner_pid"], state["name"], shared=True)
+        ProcessRandom.__init__(self, state["seed"], state["owner_pid"], state["name"], shared=True,
+                               rank=state.get("rank"))
