@@ -51,6 +51,13 @@ def _select():
     return Prioritized(exponent=EXPONENT, maxfrac=MAXFRAC)
 
 
+def step_ids(buf, rows):
+    """The step ids of ``rows`` as the buffer hands them out (``Buffer.port``), or as the
+    ring numbers them in an older shmbuf that has no port yet (``--against``)."""
+    port = getattr(type(buf), "port", None)
+    return buf.port.step_ids(rows) if port is not None else buf._ring.priorities.ids(rows)
+
+
 def fill(buf, steps: int, spec: dict, seed: int = 0) -> None:
     """``steps`` steps in episodes of EPISODE, through extend; every priority set (lognormal)."""
     rng = np.random.default_rng(seed)
@@ -62,7 +69,7 @@ def fill(buf, steps: int, spec: dict, seed: int = 0) -> None:
         for _ in range(steps // EPISODE):
             w.extend(**run)
     rows = buf.committed_rows()
-    ids = buf.port.step_ids(rows)   # every held step's id, to set them all
+    ids = step_ids(buf, rows)   # every held step's id, to set them all
     for at in range(0, len(ids), 1 << 20):
         part = ids[at:at + (1 << 20)]
         buf.update_priorities(part, rng.lognormal(0, 1, len(part)).astype(np.float32))
@@ -116,7 +123,7 @@ def bench_draw(big: int) -> None:
         b = bufs[big]
         uni = timed(lambda: b.port.finder.draw(rng, 50, 50, 0), 300)
         row(f"P1u uniform draw of 50 windows among {big:.0e} steps (reference)", fmt(uni))
-        ids = b.port.step_ids(b.committed_rows())
+        ids = step_ids(b, b.committed_rows())
         picks = [ids[rng.integers(0, len(ids), 2500)] for _ in range(64)]
         vals = [rng.lognormal(0, 1, 2500).astype(np.float32) for _ in range(64)]
         it = iter(range(10 ** 9))
@@ -211,7 +218,7 @@ def bench_torchrl(buf, select, rng) -> None:
             w = _prioritized.draw(buf.port.finder, rng, 50, 50, 0, EXPONENT, MAXFRAC)
             targets = shmbuf.store.reads._prepare_out(None, buf.spec, (50, 50))
             buf._gather(w.rows, np.arange(50), targets, True, 50)
-            buf.update_priorities(buf.port.step_ids(w.rows), rng.random((50, 50)))
+            buf.update_priorities(step_ids(buf, w.rows), rng.random((50, 50)))
 
     theirs(), ours()
     tt, to, ratio = paired(theirs, ours, 15, 3)
@@ -247,7 +254,7 @@ def bench_cpprb(n: int) -> None:
             else:
                 w = _prioritized.draw(buf.port.finder, rng, 256, 1, 0, 0.6, MAXFRAC)
                 buf.arrays["obs"][w.rows[:, 0]]
-                ids = buf.port.step_ids(w.rows)
+                ids = step_ids(buf, w.rows)
             buf.update_priorities(ids, rng.random(ids.shape))
 
         theirs(), ours()

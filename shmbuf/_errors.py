@@ -49,6 +49,10 @@ class CorruptSaveError(ShmbufError, ValueError):
     """A save on disk is incomplete, truncated, tampered with, or of another schema."""
 
 
+class ForeignStepIdsError(ShmbufError, ValueError):
+    """Step ids given to a buffer that did not issue them (another buffer's sample did)."""
+
+
 class NotEnoughDataError(ShmbufError, ValueError):
     """The buffer holds too little data for the requested sample."""
 

@@ -14,9 +14,11 @@ from ._registry import class_for
 from .disk.keyed_save import holds_keyed
 from .disk.saved import open_save, rate_limit_of
 from .posix import signals
+from .protocol import stepids
 from .protocol.layout import KIND_KEYED, NO_SLOT
 from .segment.segment import Segment
 from .store import buffer as store
+from .store.checkpoints import restore_loaded
 from .writing.compress import META_KEY, Compress
 
 # Keyed rings that name no class are HistoryBuffer's to judge: it refuses
@@ -82,6 +84,15 @@ def load(path, name: str | None = None, capacity: int | None = None, *, seed=Non
     undecoded, so /dev/shm holds the compressed bytes (``shmbuf.disk.blocks``
     says which blocks are decoded instead).
 
+    Step ids (a buffer with priorities): loaded with its saved capacity, a
+    one-shot save (``Buffer.save()``) puts each chunk back under the claim
+    number its ids name it by, so ids sampled before the save name the same
+    steps in the new buffer (``update_priorities``, ``write_steps``,
+    ``priorities_of``).  With another capacity, or from a following save
+    (``save(follow=True)``), they are stale there (skipped, NaN), never wrong.  Either way the new
+    buffer takes them (it accepts the saved buffer's tag; any other buffer's
+    ids raise ``ForeignStepIdsError``) and tags its own ids anew.
+
     Args:
         path: the save's directory.
         name: the new segment's name; generated if None.
@@ -132,21 +143,37 @@ def load_steps(path, name: str | None = None, capacity: int | None = None, *, se
     writers = max(streams + 1, saved_writers if isinstance(saved_writers, int) else 1, 128)
     meta = dict(manifest["meta"])
     packed = meta.pop(META_KEY, None)   # the saved buffer's compression: the new one keeps it
-    buf = store.create(dict(manifest["spec"]),
-                       manifest["capacity"] if capacity is None else capacity, name=name,
-                       chunk_size=manifest["chunk_size"] if same else None,
-                       max_writers=min(writers, NO_SLOT - 1),
-                       done_key=manifest.get("done_key"), seed=seed, meta=meta,
-                       compress=None if packed is None else Compress.from_meta(
-                           packed if same else dict(packed, hot_steps=None)),
-                       handle_signals=handle_signals,
-                       priorities=manifest.get("priorities") is True,
-                       rate_limit=rate_limit_of(path, manifest))
+    ids = stepids.StepIds.of_meta(meta, int(manifest["chunk_size"]))
+    meta.pop(stepids.META_KEY, None)    # the saved buffer's ids: the new one's descend from it
+    cap = manifest["capacity"] if capacity is None else capacity
     state["rate"] = manifest.get("rate")
-    try:
-        buf.restore(state)
-    except BaseException:
+
+    def make(place: bool):
+        """The new buffer, its steps restored; and whether the saved ids name them."""
+        entry, base = None, None
+        if manifest.get("priorities") is True:
+            n_chunks = -(-int(manifest["capacity"]) // int(manifest["chunk_size"]))
+            entry, place = ids.for_load(state.get("tickets"), n_chunks,
+                                        place and same and manifest["rows"] <= cap)
+            base = entry["base"] if place else None
+        buf = store.create(dict(manifest["spec"]), cap, name=name,
+                           chunk_size=manifest["chunk_size"] if same else None,
+                           max_writers=min(writers, NO_SLOT - 1),
+                           done_key=manifest.get("done_key"), seed=seed, meta=meta,
+                           compress=None if packed is None else Compress.from_meta(
+                               packed if same else dict(packed, hot_steps=None)),
+                           handle_signals=handle_signals,
+                           priorities=manifest.get("priorities") is True,
+                           rate_limit=rate_limit_of(path, manifest), _step_ids=entry)
+        try:
+            return buf, restore_loaded(buf, state, base)
+        except BaseException:
+            buf.close()
+            raise
+
+    buf, placed = make(place=True)
+    if placed is False:   # the saved ids would not name their steps: load them as stale
         buf.close()
-        raise
+        buf, _ = make(place=False)
     cls = class_for(facade) if isinstance(facade, str) else None
     return buf if cls is None else cls._from_buffer(buf)  # type: ignore[attr-defined]

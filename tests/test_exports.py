@@ -5,7 +5,7 @@ import shmbuf
 
 EXPORTS = [
     "Buffer", "BufferClosedError", "Compress", "CompressionStats", "CorruptSaveError",
-    "CorruptSegmentError", "DiamondReplayBuffer", "Episode",
+    "CorruptSegmentError", "DiamondReplayBuffer", "Episode", "ForeignStepIdsError",
     "HistoryBuffer", "IRISOnPolicyBuffer", "IRISReplayBuffer", "LayoutVersionError", "Memory",
     "MemoryFullError", "NoFreeChunkError", "NoFreeWriterSlotError", "NotEnoughDataError",
     "OnPolicyBufferFullError", "OwnerAliveError", "RateLimit", "RateStats", "ReplayBuffer",

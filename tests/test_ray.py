@@ -361,7 +361,8 @@ def test_prioritized_shares_and_updates_go_to_the_shard_that_holds_the_step(clus
             buf = shmbuf.attach(s.buffer)
             try:
                 mine = batch["ids"] >> 39 == sray._ids.tag_of(s.buffer)
-                got = buf.priorities_of(batch["ids"][mine] & ((1 << 39) - 1))
+                got = buf.priorities_of(sray._ids.for_shard(batch["ids"][mine] & ((1 << 39) - 1),
+                                                            buf))
                 assert got.size and (got == 1.0 + 8.0 * batch["wid"][mine]).all()
                 every = buf.port.step_ids(buf.committed_rows())
                 w = buf.arrays["wid"][buf.committed_rows()][0]

@@ -15,13 +15,13 @@ import collections
 import os
 import threading
 import time
-import zlib
 from collections.abc import Mapping
 
 import numpy as np
 
 from .._errors import (
     BufferClosedError,
+    ForeignStepIdsError,
     NoFreeWriterSlotError,
     SegmentExistsError,
     SegmentNotFoundError,
@@ -183,7 +183,6 @@ class Replay(Facade):
         # The constructing handle counts and queues every item; a later one, from now on.
         self._made_seen = 0 if self.owner else self._items.made()
         self._online_seen = self._made_seen
-        self._tag = _tag(buffer.name)
 
     @property
     def shm_name(self) -> str:
@@ -367,7 +366,7 @@ class Replay(Facade):
                                  int(batch), self._spec)
         ids = out.pop("ids")
         data = {k: out[self._columns[k]] for k, _, _ in self._keys}
-        data["stepid"] = _stepids(ids, self._tag)
+        data["stepid"] = _stepids(ids)
         if mode == "train":
             self._counts["samples"] += int(batch)
         return _annotated(data)
@@ -433,12 +432,14 @@ class Replay(Facade):
             raise ValueError(f"update: stepid must be (batch, length, 20) uint8 as sample() "
                              f"returns it, got shape {stepid.shape} dtype {stepid.dtype}")
         flat = np.ascontiguousarray(stepid).reshape(-1, 20)
-        if len(flat) and not (flat[:, 8:12].view("<u4")[:, 0] == self._tag).all():
-            at = int(np.argmax(flat[:, 8:12].view("<u4")[:, 0] != self._tag))
-            raise ValueError(f"update: stepid[{at // stepid.shape[1]}, {at % stepid.shape[1]}] "
-                             f"was not sampled from replay {self.label!r} "
-                             f"({self.shm_name}); nothing was written")
-        return flat[:, :8].copy().view("<i8").reshape(stepid.shape[:2])
+        ids = flat[:, :8].copy().view("<i8").reshape(stepid.shape[:2])
+        # The step ids carry their buffer's tag (the core's rule, protocol.stepids).
+        at = self.buffer.port.first_foreign(ids)
+        if at is not None:
+            raise ForeignStepIdsError(
+                f"update: stepid[{at // stepid.shape[1]}, {at % stepid.shape[1]}] was not "
+                f"sampled from replay {self.label!r} ({self.shm_name}); nothing was written")
+        return ids
 
     def _context(self, data: dict, lead: tuple) -> dict:
         out = {}
@@ -653,15 +654,10 @@ def _schema_of_spec(spec) -> list:
     return out
 
 
-def _tag(name: str) -> int:
-    return zlib.crc32(name.encode())
-
-
-def _stepids(ids: np.ndarray, tag: int) -> np.ndarray:
-    """``(B, T, 20)`` uint8: the store's step id (8 bytes), the replay's tag (4), zeros."""
+def _stepids(ids: np.ndarray) -> np.ndarray:
+    """``(B, T, 20)`` uint8: the store's step id (8 bytes, its buffer's tag included), zeros."""
     out = np.zeros(ids.shape + (20,), np.uint8)
     out[..., :8] = ids.astype("<i8")[..., None].view(np.uint8)
-    out[..., 8:12] = np.array([tag], "<u4").view(np.uint8)
     return out
 
 

@@ -326,7 +326,7 @@ def check_compatible(buf, state: dict[str, Any]) -> None:
                              ">= 0 (NaN: never set)")
 
 
-def restore(buf, port, state: dict[str, Any]) -> None:
+def restore(buf, port, state: dict[str, Any], place: int | None = None) -> bool | None:
     """Replace the buffer's contents with the checkpoint ``state``, through writers.
 
     One writer per stream.  The first row of each chunk is written in the
@@ -335,6 +335,14 @@ def restore(buf, port, state: dict[str, Any]) -> None:
     in the order they ended before (``ends``), as far as the chunk order
     allows.  A change of episode number without a terminal step is an
     ``end_episode`` cut.
+
+    ``place`` (a load into a new buffer of the saved geometry, whose step
+    ids have that ``base``: ``protocol.stepids``): before saved chunk ``j``
+    is claimed, the tickets up to ``state["tickets"][j] - place`` are taken
+    unclaimed, as the saved buffer's claims skipped them, so that the chunk
+    gets its saved ticket (and its saved place) back and its saved ids name
+    its steps.  Returns whether every saved chunk is held under its ticket
+    then, None without ``place``.
     """
     check_compatible(buf, state)
     ring = port.ring
@@ -352,16 +360,26 @@ def restore(buf, port, state: dict[str, Any]) -> None:
         state, stream, ends, starts = newest_rows(state, stream, ends, starts, buf.capacity)
         n = len(stream)
     placer = None if saved is None else _placer(buf, port, saved, stream, state["columns"])
+    tickets = None if place is None else np.asarray(state["tickets"], np.int64) - place
     ring.clear()
     replay = _Replay(buf, port, state, ends, placer)
     try:
-        for a, b in zip(starts.tolist(), starts[1:].tolist() + [n]):
+        for j, (a, b) in enumerate(zip(starts.tolist(), starts[1:].tolist() + [n])):
+            if tickets is not None:
+                ring.skip_tickets(int(tickets[j]))
             replay.schedule(int(stream[a]), a, b)
         replay.drain(force=True)
         if ring.priorities is not None and "priorities" in state:
             _restore_priorities(ring, replay, stream, state)
     finally:
         replay.close()
+    if tickets is None:
+        return None
+    held = ring.live_chunks()
+    assert held.ticket is not None   # live_chunks gives them
+    have = dict(zip(held.ticket.tolist(), held.count.tolist()))
+    counts = np.diff(np.append(starts, n))
+    return all(have.get(t) == c for t, c in zip(tickets.tolist(), counts.tolist()))
 
 
 def _placer(buf, port, saved: SavedBlocks, stream: np.ndarray, columns: dict) -> Placer:

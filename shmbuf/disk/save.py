@@ -44,6 +44,7 @@ from .saved import (
     PACKED_VERSION,
     PRIORITIES,
     STREAM,
+    TICKETS,
     VERSION,
 )
 
@@ -139,6 +140,9 @@ class _Writer:
             self.columns[PRIORITIES] = _Column(os.path.join(self.path, PRIORITIES + ".npy"),
                                                np.float32, (), rows)
         self.chunk_starts = _Column(os.path.join(self.path, CHUNKS + ".npy"), np.int64, ())
+        # The id ticket of each chunk (the ring's ticket + the ids' base), for loading ids.
+        self.tickets = None if self.ring.priorities is None else _Column(
+            os.path.join(self.path, TICKETS + ".npy"), np.int64, ())
         self.n_chunks = 0
         # Compressed blocks copied as they are (a compressing buffer only): the entries
         # and bytes of kept chunks, and what the chunk being copied adds (kept or not).
@@ -191,6 +195,9 @@ class _Writer:
             self.columns[ENDS].write(self.rows, np.full(count, -1, np.int64))
             self.columns[STREAM].write(self.rows, np.full(count, sid, np.int64))
             self.chunk_starts.write(self.n_chunks, np.array([self.rows], np.int64))
+            if self.tickets is not None:
+                self.tickets.write(self.n_chunks, np.array(
+                    [int(chunks.ticket[i]) + self.port.id_base], np.int64))
             self.n_chunks += 1
             for ep, back in zip(*np.unique(eps[::-1], return_index=True)):
                 self.last_row[(stream, int(ep))] = self.rows + count - 1 - int(back)
@@ -275,6 +282,9 @@ class _Writer:
         self.mark_ends(final=not following)
         self.chunk_starts.commit(self.n_chunks)
         files = list(self.columns.values()) + [self.chunk_starts]
+        if self.tickets is not None:
+            self.tickets.commit(self.n_chunks)
+            files.append(self.tickets)
         if self.packed is not None and self.blocks is not None:
             self.packed.commit(self.n_packed)
             self.blocks.commit(self.n_bytes)
@@ -307,12 +317,14 @@ class _Writer:
             "max_writers": lay.max_writers, "meta": buf.meta, "source": buf.name,
             "saved_ns": time.time_ns(),
             **_rate_manifest(self.port.limiter),
-            **({"priorities": True, "max_priority": self.ring.priorities.largest_set()}
+            **({"priorities": True, "max_priority": self.ring.priorities.largest_set(),
+                "tickets": True}
                if self.ring.priorities is not None else {}),
         }
 
     def close(self) -> None:
-        for col in list(self.columns.values()) + [self.chunk_starts, self.packed, self.blocks]:
+        for col in list(self.columns.values()) + [self.chunk_starts, self.tickets, self.packed,
+                                                  self.blocks]:
             if col is not None:
                 col.close()
 

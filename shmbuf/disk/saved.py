@@ -14,6 +14,9 @@ A save (written by ``disk.save``) is a directory that numpy alone can read:
   _priorities.npy (n,) float32, buffers with priorities only: the priority set for each
                   step, NaN where none was (the manifest's "max_priority" is the largest
                   ever set, null if none)
+  _tickets.npy    (c,) int64, buffers with priorities only (the manifest says "tickets":
+                  true): the claim ticket each saved chunk's step ids name it by
+                  (``shmbuf.protocol.stepids``), so that ``load`` can keep those ids
   _packed.npy     (m, 6) int64, buffers created with ``compress=`` only: one entry per
                   compressed block saved as it was in shared memory: (column's index in
                   the spec, first row, rows, byte offset in _blocks.npy, bytes, CRC-32
@@ -58,7 +61,7 @@ FORMAT, VERSION = "shmbuf-save", 1
 PACKED_VERSION = 2  # a save holding compressed blocks (_packed.npy, _blocks.npy)
 MANIFEST = "manifest.json"
 STREAM, EPISODE, ENDS, CHUNKS = "_stream", "_episode", "_ends", "_chunks"
-PRIORITIES = "_priorities"
+PRIORITIES, TICKETS = "_priorities", "_tickets"
 PACKED, BLOCKS = "_packed", "_blocks"
 ENTRY_FIELDS = 6    # of a _packed.npy entry (5 in saves made before the CRC)
 
@@ -235,6 +238,8 @@ def open_save(path) -> tuple[dict, dict]:
         if top is not None and (isinstance(top, bool) or not isinstance(top, (int, float))):
             raise bad_save(path, f"manifest field 'max_priority' is {top!r}")
         state["max_priority"] = None if top is None else float(top)
+        if manifest.get("tickets") is True:
+            state["tickets"] = open_column(path, TICKETS, i8, (), manifest["chunks"])
     return manifest, state
 
 

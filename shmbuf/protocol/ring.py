@@ -205,15 +205,18 @@ class Ring:
     def _reserve_chunk(self, ticket: int, unreserved: frozenset = frozenset()) -> None:
         """Before ``ticket``'s claim: a chunk of the first lap gets its entry and rows
         reserved (but for the columns ``unreserved``: see ``claim_chunk``), and the
-        episode index room for one episode end per row."""
-        lay, chunk, space = self.layout, ticket, self.space
+        episode index room for one episode end per row.  So does a chunk of a later lap
+        that was never claimed (a load skipped its first-lap ticket: ``skip_tickets``)."""
+        lay, space = self.layout, self.space
         assert space is not None  # _take prepares only with a space
-        rows = int(self.chunk_rows[chunk % lay.n_chunks])
-        if chunk < lay.n_chunks:
+        chunk = ticket % lay.n_chunks
+        rows = int(self.chunk_rows[chunk])
+        if ticket < lay.n_chunks or self._never_claimed(chunk):
             first = int(self.chunk_base[chunk])
             what = (f"chunk {chunk} ({rows} steps, {rows * sum(c.row_bytes for c in lay.columns)}"
                     " bytes over all columns)")
-            space.reserve(lay.chunk_field(chunk, "state"), CHUNK_ENTRY, what)
+            if ticket < lay.n_chunks:
+                self._reserve_entry(chunk, what)
             for col in lay.columns:
                 if col.name not in unreserved:
                     space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
@@ -221,8 +224,16 @@ class Ring:
             # A packed chunk's raw pages, before the ticket moves: a full /dev/shm then
             # leaves this chunk next in FIFO order instead of skipping it for a lap with its
             # old steps (recycle reserves them again; a no-op unless punched meanwhile).
-            self.packing.reserve_raw(chunk % lay.n_chunks)
+            self.packing.reserve_raw(chunk)
         self._reserve_episodes(self.counter("episode_ticket") + rows)
+
+    def _reserve_entry(self, chunk: int, what: str = "") -> None:
+        assert self.space is not None
+        self.space.reserve(self.layout.chunk_field(chunk, "state"), CHUNK_ENTRY,
+                           what or f"chunk {chunk}'s entry")
+
+    def _never_claimed(self, chunk: int) -> bool:
+        return atomic.load_acquire(self.mm, self.layout.chunk_field(chunk, "state")) == 0
 
     def reserve_rows(self, chunk: int, names) -> None:
         """Reserve ``chunk``'s rows of the columns ``names`` (a claim that left them
@@ -238,6 +249,15 @@ class Ring:
             col = self.layout.column(name)
             self.space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes,
                                f"chunk {chunk}'s rows of {name!r}")
+
+    def skip_tickets(self, upto: int) -> None:
+        """Take the tickets below ``upto`` without claiming their chunks, as a claim that
+        finds its chunk held does (a load that puts each saved chunk back under its saved
+        ticket, ``disk.checkpoint.restore``); a first-lap ticket reserves its entry."""
+        n = self.layout.n_chunks
+        while self.counter("ticket") < upto:
+            # Only the entry: its first claim, in a later lap, reserves the rows it writes.
+            self._take("ticket", lambda t: self._reserve_entry(t) if t < n else None)
 
     def next_claim(self) -> int:
         """The chunk the next claim will most likely get (the next ticket's), as of now."""
@@ -513,7 +533,8 @@ class Ring:
         tickets still say which chunks are reserved.
         """
         for chunk in range(self.claimed_chunks()):
-            self.recycle(chunk, NO_SLOT, 0, 0, int(self.chunk_table[chunk, _TICKET]))
+            if not self._never_claimed(chunk):   # (one a load skipped stays unclaimed)
+                self.recycle(chunk, NO_SLOT, 0, 0, int(self.chunk_table[chunk, _TICKET]))
 
     # -- reading the chunk table ----------------------------------------------------
     def committed_counts(self, claimed: int | None = None) -> np.ndarray:

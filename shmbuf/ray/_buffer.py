@@ -294,7 +294,8 @@ class ShardedBuffer:
                 continue   # its shard is gone: the ids are stale
             mine = tags == tag
             if s is here and self._local_alive(s):
-                updated += self._attached(s).update_priorities(local[mine], values[mine])
+                buf = self._attached(s)
+                updated += buf.update_priorities(_ids.for_shard(local[mine], buf), values[mine])
             else:
                 calls.append((s, s.actor.update_priorities.remote(local[mine], values[mine])))
         for s, ref in calls:

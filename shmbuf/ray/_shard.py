@@ -26,6 +26,7 @@ import numpy as np
 import ray
 
 import shmbuf
+from shmbuf.ray import _ids
 from shmbuf.ray._count import sample_kwargs, weight
 
 log = logging.getLogger("shmbuf.ray")
@@ -185,9 +186,10 @@ class Shard:
 
     @ray.method(concurrency_group=SAMPLE)
     def update_priorities(self, ids: np.ndarray, priorities: np.ndarray) -> int:
-        """``Buffer.update_priorities`` on this shard (ids local to it, checked by the caller)."""
+        """``Buffer.update_priorities`` on this shard (the ids' local parts, checked by the
+        caller: ``_ids``)."""
         self._check_open()
-        return self._buf.update_priorities(ids, priorities)
+        return self._buf.update_priorities(_ids.for_shard(ids, self._buf), priorities)
 
     @ray.method(concurrency_group=SAMPLE)
     def count(self, length: int, tail: int, mode="steps") -> float:

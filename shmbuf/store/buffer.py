@@ -15,6 +15,7 @@ from ..posix import signals as _signals
 from ..posix.procs import my_start_time
 from ..posix.space import check_fits
 from ..posix.wait import check_timeout, poll
+from ..protocol import stepids as _stepids
 from ..protocol.header import (
     owner_alive,
     owner_record,
@@ -86,6 +87,7 @@ class Buffer(Reads, Checkpoints, Compaction, Shared):
         self._layout = layout
         self._owner_pid, self._owner_start = owner
         self._meta = meta
+        self._step_ids = _stepids.StepIds.of_meta(meta, layout.chunk_size)
         self._ring = Ring(segment.mmap, layout, segment.name, segment.space)
         self._space = segment.space  # the bytes reserved, for stats()
         self._views = column_views(segment, layout, layout.columns)
@@ -103,7 +105,7 @@ class Buffer(Reads, Checkpoints, Compaction, Shared):
         self._port = StorePort(self._ring, self._views, self._finder, self._limiter,
                                self._random, self._owner_pid,
                                (self._writer, self._sample_args, self._check_priorities),
-                               self._savers, packing, unpacker)
+                               self._savers, self._step_ids, packing, unpacker)
         self._open(segment)
 
     @property
@@ -338,7 +340,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
            prefault: bool = False, overcommit: bool = False, meta: dict | None = None,
            episode_slots: int | None = None, handle_signals: bool | None = None,
            rate_limit: RateLimit | None = None, priorities: bool = False,
-           compress: Compress | None = None) -> Buffer:
+           compress: Compress | None = None, _step_ids: dict | None = None) -> Buffer:
     """Create a buffer in a new shared-memory segment; the caller owns it.
 
     Args:
@@ -368,7 +370,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             False: such a capacity is refused here.
         meta: a JSON-serialisable dict kept with the buffer (``Buffer.meta``):
             up to 1 KiB in the header, longer (up to 64 MiB) in a room of its
-            own, sized here.
+            own, sized here.  shmbuf keeps its own keys there too:
+            ``"compress"`` and ``"step_ids"`` (yours may not use them).
         episode_slots: finished episodes the episode index remembers
             (``episodes()``, ``uniform="episodes"``); default
             ``capacity // 8`` within 1024 and 4M (at most the capacity),
@@ -387,6 +390,8 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
             every attached process (``update_priorities``,
             ``select=Prioritized(...)``, ``sample_sequences(..., ids=True)``).
             It costs 8 bytes per step and about 0.2 bytes per step of tree.
+            The buffer's step ids carry a random tag of its own, so that
+            another buffer refuses them (``ForeignStepIdsError``).
         compress: a ``shmbuf.Compress`` naming the columns whose cold chunks
             are kept compressed in shared memory, their raw pages given back
             to /dev/shm (a background thread of the owner compresses them; see
@@ -415,6 +420,7 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
     if not isinstance(priorities, bool):
         raise TypeError(f"priorities must be True or False, got {priorities!r}")
     packing, meta = _compression.settings(compress, spec, capacity, chunk_size, done_key, meta)
+    meta = _ids_meta(priorities, meta, _step_ids)
     raw_meta = encode_meta(meta)
     layout = plan(spec, capacity, chunk_size=chunk_size, max_writers=max_writers,
                   done_key=done_key, episode_slots=episode_slots, priorities=priorities,
@@ -454,6 +460,19 @@ def create(spec: dict, capacity: int, *, name: str | None = None, chunk_size: in
         segment.close()
         raise
     return _signals.watch_or_close(buf, handle_signals)   # SIGTERM unlinks an owner's
+
+
+def _ids_meta(priorities: bool, meta, entry: dict | None) -> dict | None:
+    """The metadata with the buffer's step-id rules (``protocol.stepids``), for a buffer
+    with priorities: a fresh tag, or ``entry`` (``shmbuf.load``: the saved buffer's heirs)."""
+    if isinstance(meta, dict) and _stepids.META_KEY in meta:
+        raise ValueError(f"meta key {_stepids.META_KEY!r} is reserved for the buffer's step "
+                         "ids")
+    if not priorities:
+        return meta
+    if meta is not None and not isinstance(meta, dict):
+        raise TypeError(f"meta must be a dict of JSON-serialisable plain data, got {meta!r}")
+    return dict(meta or {}, **{_stepids.META_KEY: entry or _stepids.fresh_meta()})
 
 
 # The name ``shmbuf.attach`` and ``shmbuf.load`` find a plain step store under.

@@ -42,9 +42,16 @@ class Checkpoints(BufferState):
         Example:
             >>> fresh.restore(buf.snapshot())
         """
+        self._restore(state)
+
+    def _restore(self, state: dict, place: int | None = None) -> bool | None:
+        """``restore``; with ``place`` (``shmbuf.load`` into this new buffer: the ids'
+        ``base``), each saved chunk goes back under its saved ticket: then whether all
+        did (``disk.checkpoint.restore``), else None."""
         self._check_open()
-        _checkpoint.restore(self, self._port, state)
+        placed = _checkpoint.restore(self, self._port, state, place)
         self._restore_rate(state)
+        return placed
 
     # -- saving to disk ---------------------------------------------------------------
     def save(self, path, *, follow: bool = False, overwrite: bool = False,
@@ -143,3 +150,10 @@ class Checkpoints(BufferState):
             self._limiter.restore(state["rate"])
 
     # -- lifecycle ----------------------------------------------------------------
+
+
+def restore_loaded(buf, state: dict, place: int | None) -> bool | None:
+    """``shmbuf.load``'s restore into the buffer it just made: ``Buffer.restore`` with each
+    saved chunk put back under its saved ticket when ``place`` (the ids' ``base``) is given;
+    then whether every chunk went back (``disk.checkpoint.restore``), else None."""
+    return buf._restore(state, place)

@@ -70,8 +70,9 @@ class Reads(BufferState):
             ids: also return ``"ids"``: int64 step ids in the batch's layout,
                 for ``update_priorities`` (a buffer made with
                 ``priorities=True`` only).  An id names its step while the
-                buffer holds it and never another one.  With ``out``, give an
-                ``"ids"`` array too.
+                buffer holds it and never another one; only this buffer (and
+                one ``shmbuf.load`` makes from its save) takes it.  With
+                ``out``, give an ``"ids"`` array too.
 
         Returns:
             ``{column: array}``, fresh arrays or the ``out`` objects.
@@ -199,6 +200,8 @@ class Reads(BufferState):
             How many entries named a held step (and were written).
 
         Raises:
+            ForeignStepIdsError: (a ValueError) an id this buffer did not
+                issue: another buffer's (the message names the first).
             ValueError: the buffer has no priorities; a shape mismatch; a
                 negative id; a priority that is NaN, infinite, negative or
                 too large for float32 (the message names the first such
@@ -212,7 +215,7 @@ class Reads(BufferState):
         self._check_live()
         self._check_priorities("update_priorities")
         ids, stored = checked_priorities(ids, priorities)
-        return self._ring.prio().update(ids, stored)
+        return self._ring.prio().update(self._local_ids(ids), stored)
 
     def write_steps(self, ids, **columns) -> int:
         """Write values into the held steps that step ``ids`` name, from any process.
@@ -236,6 +239,8 @@ class Reads(BufferState):
             How many ids named a held step (and were written).
 
         Raises:
+            ForeignStepIdsError: (a ValueError) an id this buffer did not
+                issue: another buffer's (the message names the first).
             ValueError: the buffer has no priorities (so no step ids); a
                 negative id; a column's value of the wrong shape; no columns.
             KeyError: a column the buffer does not have.
@@ -252,6 +257,7 @@ class Reads(BufferState):
         ids = checked_ids(ids, "written")
         if not columns:
             raise ValueError("write_steps: give at least one column=values")
+        local = self._local_ids(ids)
         spec = self._layout.spec()
         pack = self._layout.pack
         packed = set() if pack is None else {c.name for c in pack.columns}
@@ -270,9 +276,9 @@ class Reads(BufferState):
         # Pinned, the chunks the ids name cannot be recycled until the rows are written,
         # so a written value never lands in a later step (protocol.pins); the held check
         # comes after the pins.
-        lay = self._layout
-        with self._ring.pins.pinned(ids.reshape(-1) // lay.chunk_size % lay.n_chunks):
-            rows, held, _, _ = self._ring.held_rows(ids)
+        lay, named = self._layout, local.reshape(-1)
+        with self._ring.pins.pinned(named[named >= 0] // lay.chunk_size % lay.n_chunks):
+            rows, held, _, _ = self._ring.held_rows(named)
             for name, value in values.items():
                 flat = value.reshape((len(rows),) + spec[name][0])
                 self._views[name][rows[held]] = flat[held]
@@ -281,12 +287,25 @@ class Reads(BufferState):
     def priorities_of(self, ids) -> np.ndarray:
         """The priorities of the steps ``ids`` names now (NaN where an id is stale).
 
+        Raises:
+            ForeignStepIdsError: (a ValueError) an id this buffer did not issue.
+            TypeError / ValueError: ids that are not int64 step ids >= 0.
+
         Example:
             >>> buf.priorities_of(batch["ids"])
         """
         self._check_open()
         self._check_priorities("priorities_of")
-        return self._ring.priorities_of(checked_ids(ids))
+        return self._ring.priorities_of(self._local_ids(checked_ids(ids, "read")))
+
+    def _local_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Checked step ids (``checked_ids``) as this buffer's protocol numbers them
+        (``protocol.stepids``): -1 where an id is stale for sure.
+
+        Raises:
+            ForeignStepIdsError: an id another buffer issued; nothing is written.
+        """
+        return self._step_ids.decode(ids, "ids", self.name)
 
     # -- the trainer's data path ---------------------------------------------------------
     def dataset(self, batch_size: int, length: int, *, batches: int | None = None, seed=None,
@@ -522,8 +541,9 @@ class Reads(BufferState):
 def checked_priorities(ids, priorities) -> tuple[np.ndarray, np.ndarray]:
     """``update_priorities``' arguments checked: (flat int64 ids, flat float32 priorities).
 
-    Raises what ``Buffer.update_priorities`` documents; shmbuf.ray checks its
-    arguments here too, before anything is written on any shard.
+    Raises what ``Buffer.update_priorities`` documents (whose buffer the ids
+    belong to is the caller's to check); shmbuf.ray checks its arguments here
+    too, before anything is written on any shard.
     """
     ids = checked_ids(ids, "updated")
     values = host_array(priorities)

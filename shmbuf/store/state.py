@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 from ..protocol.layout import Layout
 from ..protocol.ring import Ring
+from ..protocol.stepids import StepIds
 from ..sampling.rng import ProcessRandom
 from ..sampling.windows import WindowFinder
 from ..segment.pages import ChunkPages
@@ -26,6 +27,7 @@ class BufferState:
     _finder: WindowFinder
     _limiter: Limiter | None
     _random: ProcessRandom
+    _step_ids: StepIds
     _space: Any
     _pages: ChunkPages
     _port: StorePort

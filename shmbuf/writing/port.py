@@ -40,6 +40,7 @@ from ..sampling.rows import take_rows as _take_rows
 if TYPE_CHECKING:  # annotations only
     from ..protocol.packing import PackWords
     from ..protocol.ring import Chunks, Episodes, Ring
+    from ..protocol.stepids import StepIds
     from ..sampling.rng import ProcessRandom
     from ..sampling.unpack import Unpacker
     from ..sampling.windows import WindowFinder, Windows
@@ -55,14 +56,16 @@ class StorePort:
     """
 
     __slots__ = ("ring", "views", "finder", "limiter", "random", "owner_pid", "packing",
-                 "unpacker", "capacity", "savers", "_writer", "_sample_args", "_priorities")
+                 "unpacker", "capacity", "savers", "_ids", "_writer", "_sample_args",
+                 "_priorities")
 
     def __init__(self, ring: Ring, views: dict[str, np.ndarray], finder: WindowFinder,
                  limiter: Limiter | None, random: ProcessRandom, owner_pid: int,
-                 checks: tuple[Callable, Callable, Callable], savers: set,
+                 checks: tuple[Callable, Callable, Callable], savers: set, step_ids: StepIds,
                  packing: PackWords | None = None, unpacker: Unpacker | None = None):
         """``checks``: the buffer's ``(writer(limited), sample_args(...),
-        check_priorities(what))``, held weakly; ``savers``: its set of running Savers."""
+        check_priorities(what))``, held weakly; ``savers``: its set of running Savers;
+        ``step_ids``: its rules for the ids it issues (``protocol.stepids``)."""
         self.ring = ring                  # every shared word of the store (saving's access)
         self.views = views                # column -> (capacity, *shape) view, internal ones too
         self.finder = finder              # which rows make valid windows
@@ -73,6 +76,7 @@ class StorePort:
         self.unpacker = unpacker          # ... and the reader of its packed rows, else None
         self.capacity = ring.layout.capacity
         self.savers = savers              # the Savers following this buffer (disk.save)
+        self._ids = step_ids
         self._writer, self._sample_args, self._priorities = (
             weakref.WeakMethod(f) for f in checks)
 
@@ -131,8 +135,25 @@ class StorePort:
 
     # -- steps --------------------------------------------------------------------------
     def step_ids(self, rows: np.ndarray) -> np.ndarray:
-        """The step ids of the steps at ``rows`` (re-check their windows after)."""
-        return self.ring.step_ids(rows)
+        """The step ids of the steps at ``rows`` (re-check their windows after): every id
+        the buffer hands out is made here, tagged as its own (``protocol.stepids``)."""
+        return self._ids.encode(self.ring.step_ids(rows))
+
+    @property
+    def id_tag(self) -> int:
+        """The tag the buffer's step ids carry (``protocol.stepids``)."""
+        return self._ids.tag
+
+    @property
+    def id_base(self) -> int:
+        """The ticket its step ids count from (``protocol.stepids``): 0, or in a buffer
+        ``shmbuf.load`` made, where the saved buffer's tickets left off."""
+        return self._ids.base
+
+    def first_foreign(self, ids: np.ndarray) -> int | None:
+        """The flat index of the first of ``ids`` (int64) that another buffer issued (one
+        this buffer refuses, ``ForeignStepIdsError``), or None if it issued them all."""
+        return self._ids.first_foreign(ids)
 
     def priority_values(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(priority float32, set in this claim bool)`` of the steps at committed ``rows``
