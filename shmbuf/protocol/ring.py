@@ -185,6 +185,9 @@ class Ring:
         # A compressing buffer's recycle hook (``PackWords.on_recycle``, set by its Buffer):
         # a packed chunk gets its raw pages back before it is written again.
         self.on_recycle: Callable[[int], bool] | None = None
+        # ... and its hook before a later lap's ticket moves (``PackWords.reserve_raw``):
+        # the chunk's raw pages reserved while the claim can still stop in FIFO order.
+        self.before_claim: Callable[[int], object] | None = None
 
     # -- reserving pages before a ticket makes them readable (posix.space) ------------
     def _take(self, name: str, prepare) -> int:
@@ -220,11 +223,11 @@ class Ring:
             for col in lay.columns:
                 if col.name not in unreserved:
                     space.reserve(col.offset + first * col.row_bytes, rows * col.row_bytes, what)
-        elif self.packing is not None:
+        elif self.before_claim is not None:
             # A packed chunk's raw pages, before the ticket moves: a full /dev/shm then
             # leaves this chunk next in FIFO order instead of skipping it for a lap with its
             # old steps (recycle reserves them again; a no-op unless punched meanwhile).
-            self.packing.reserve_raw(chunk)
+            self.before_claim(chunk)
         self._reserve_episodes(self.counter("episode_ticket") + rows)
 
     def _reserve_entry(self, chunk: int, what: str = "") -> None:

@@ -117,6 +117,6 @@ def attach_packing(ring, views: dict, segment: Segment, layout: Layout,
     assert segment.space is not None and layout.pack is not None
     words = PackWords(segment.mmap, segment.space.fd, layout.pack, segment.name)
     codec = Codec(conf["codec"], conf["level"])   # thread-safe: one per handle
-    ring.on_recycle = words.on_recycle
+    ring.on_recycle, ring.before_claim = words.on_recycle, words.reserve_raw
     return (Packer(ring, words, codec, views, conf["hot_steps"]), words,
             Unpacker(ring, words, codec))
