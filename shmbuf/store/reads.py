@@ -214,8 +214,9 @@ class Reads(BufferState):
         """
         self._check_live()
         self._check_priorities("update_priorities")
-        ids, stored = checked_priorities(ids, priorities)
-        return self._ring.prio().update(self._local_ids(ids), stored)
+        local = self._local_ids(checked_ids(ids, "updated"))   # the ids' own shape
+        _, stored = checked_priorities(ids, priorities)
+        return self._ring.prio().update(np.ascontiguousarray(local.reshape(-1)), stored)
 
     def write_steps(self, ids, **columns) -> int:
         """Write values into the held steps that step ``ids`` name, from any process.
