@@ -28,7 +28,7 @@ from helpers.swm_workers import (
 
 import shmbuf
 from shmbuf import Compress, cli
-from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, as_sampler
+from shmbuf.compat.swm import EPISODE_DATA_KEY, ReplayBuffer, ShmDataset, as_sampler
 from shmbuf.select import AgeBuckets, Prioritized, Recency
 
 SHM = "/dev/shm"
@@ -339,17 +339,77 @@ def test_episode_data_is_kept_evicted_and_cleared_with_its_episode(make):
     assert (rb.num_episodes, rb.episode_column_names, rb.get_episode_data()) == (0, [], {})
 
 
-def test_episode_data_too_large_for_the_episode_is_refused(make):
-    rb = make(max_steps=100)
+def tagged_steps(n, first):
+    """An episode whose ``tag`` column numbers its steps from ``first`` (never 0)."""
+    tag = np.arange(first, first + n, dtype=np.int64)
+    return {"tag": tag, "obs": np.stack([tag, -tag], 1).astype(np.float32)}
+
+
+def test_episode_data_of_any_size_fits_episodes_of_any_length(make):
+    rb = make(max_steps=4000, history_len=1)
+    first = tagged_steps(10, 1)
+    first[EPISODE_DATA_KEY] = {"seed": 1}     # 16 bytes per step from here on
+    rb.write_episode(first)
+    sizes = {2: {"goal": "g" * 20},            # 34 bytes encoded: more than 2 steps' 32
+             1: {"xml": "x" * 3000, "arr": np.arange(300, dtype=np.int64)},
+             3: {"blob": bytes(range(256)) * 4}}
+    start = 100
+    for n, data in sizes.items():
+        ep = tagged_steps(n, start)
+        ep[EPISODE_DATA_KEY] = data
+        rb.write_episode(ep)
+        start += 100
+    rb.write_episode(tagged_steps(4, 900))     # no data after a long one
+    assert rb.lengths.tolist() == [10, 2, 1, 3, 4] and rb.num_steps_stored == 20
+    copy = pickle.loads(pickle.dumps(rb))   # builds its own view
+    for reader in (rb, copy):
+        got = reader.get_episode_data()
+        assert got["seed"] == [1, None, None, None, None]
+        assert got["goal"][1] == "g" * 20 and got["xml"][2] == "x" * 3000
+        np.testing.assert_array_equal(got["arr"][2], np.arange(300))
+        assert got["blob"][3] == bytes(range(256)) * 4
+        eps = list(reader.episodes())
+        assert [len(e["tag"]) for e in eps] == [10, 2, 1, 3, 4]
+        assert [e["tag"][0] for e in eps] == [1, 100, 200, 300, 900]
+        # The rows that carry only data are never a step: every clip is a written one.
+        tags = reader.sample(256)["tag"]
+        assert (tags > 0).all() and len(reader) == 20
+    ds = ShmDataset(rb.name)     # load_dataset("shm://...")'s reader
+    assert ds.lengths.tolist() == [10, 2, 1, 3, 4]
+    assert ds.get_episode_data([1])["goal"] == ["g" * 20]
+    ds.close()
+    copy.close()
+
+
+def test_episode_data_rows_are_evicted_with_their_episode(make):
+    rb = make(max_steps=256)
+    start = 1
+    for e in range(80):
+        n = 1 + e % 5
+        ep = tagged_steps(n, start)
+        ep[EPISODE_DATA_KEY] = {"first": start, "pad": "p" * (37 * e % 300)}
+        rb.write_episode(ep)
+        start += n
+        # Read after every episode: the view is updated, evicted episodes dropped.
+        eps = list(rb.episodes())
+        for got in eps:   # each held episode with its own data, whole
+            assert got[EPISODE_DATA_KEY]["first"] == got["tag"][0]
+            assert np.array_equal(got["tag"], got["tag"][0] + np.arange(len(got["tag"])))
+    assert 0 < len(eps) < 60 and eps[-1]["tag"][0] == start - 5
+    assert rb._view().data_rows     # some episodes here needed rows of their own
+
+
+def test_episode_data_too_large_for_max_steps_is_refused(make):
+    rb = make(max_steps=20)
     ep = episode(4)
     ep[EPISODE_DATA_KEY] = {"xml": "x"}
     rb.write_episode(ep)
     before = held_steps(rb)
     big = episode(2)
     big[EPISODE_DATA_KEY] = {"xml": "x" * 500}
-    with pytest.raises(ValueError, match="holds at most 32"):
+    with pytest.raises(ValueError, match="exceed max_steps=20"):
         rb.write_episode(big)
-    assert held_steps(rb) == before
+    assert held_steps(rb) == before and rb.num_episodes == 1
 
 
 # -- sharing -----------------------------------------------------------------------------

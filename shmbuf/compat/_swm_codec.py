@@ -9,9 +9,10 @@ turns one into the columns a ``Writer.extend`` call takes, and back:
   string column, as wide as twice the longest value of the first episode
   (at least 64), so that a later, longer value is refused before anything
   is written instead of being cut;
-- episode-scoped values (strings, bytes, numbers, small arrays) are encoded
-  as a short JSON document spread over the episode's rows of one ``uint8``
-  column, so they are written, published and recycled with the episode.
+- episode-scoped values (strings, bytes, numbers, arrays) are encoded as a
+  JSON document spread over the episode's rows of one ``uint8`` column, so
+  they are written, published and recycled with the episode; data larger
+  than the episode's rows hold takes extra rows before its steps.
 
 Nothing here touches shared memory.
 """
@@ -162,26 +163,37 @@ def data_width(blob: bytes, steps: int) -> int:
     return max(_MIN_DATA_BYTES, 8 * math.ceil(2 * len(blob) / steps / 8))
 
 
-def spread(blob: bytes, steps: int, width: int, who: str) -> np.ndarray:
-    """``blob`` laid over ``steps`` rows of ``width`` bytes (``(steps, width)`` uint8).
+def spread(blob: bytes, steps: int, width: int) -> tuple[int, np.ndarray]:
+    """``(extra, rows)``: ``blob`` laid over ``steps + extra`` rows of ``width`` bytes.
 
-    Raises:
-        ValueError: it does not fit (the first episode fixed ``width``).
+    ``extra`` is 0 when the episode's own rows hold it (``rows`` is then
+    ``(steps, width)`` uint8, ``blob`` from its first byte).  Otherwise the
+    episode is written with ``extra`` rows before its steps that carry only
+    data (the table flags them), and the stream starts with ``extra`` as a
+    little-endian uint32, then ``blob``; so any size fits, whatever the
+    episode's length.
     """
-    room = steps * width
-    if len(blob) > room:
-        raise ValueError(
-            f"{who}: the episode's {EPISODE_DATA_KEY} takes {len(blob)} bytes encoded, but an "
-            f"episode of {steps} steps holds at most {room} ({width} bytes per step, fixed by "
-            "the first episode's data)")
-    out = np.zeros(room, np.uint8)
-    out[:len(blob)] = np.frombuffer(blob, np.uint8)
-    return out.reshape(steps, width)
+    if len(blob) <= steps * width:
+        extra, stream = 0, blob
+    else:
+        extra = math.ceil((_PREFIX + len(blob)) / width) - steps
+        stream = extra.to_bytes(_PREFIX, "little") + blob
+    out = np.zeros((steps + extra) * width, np.uint8)
+    out[:len(stream)] = np.frombuffer(stream, np.uint8)
+    return extra, out.reshape(steps + extra, width)
 
 
-def gather_data(rows: np.ndarray) -> dict:
-    """The episode data spread over ``rows`` (``(steps, width)`` uint8) by ``spread``."""
+def extra_rows(first: np.ndarray) -> int:
+    """``spread``'s ``extra`` from the first row of an episode that has data rows."""
+    return int.from_bytes(np.ascontiguousarray(first)[:_PREFIX].tobytes(), "little")
+
+
+def gather_data(rows: np.ndarray, extra: bool = False) -> dict:
+    """The episode data spread over ``rows`` (``(steps, width)`` uint8) by ``spread``;
+    ``extra``: the rows begin with data rows (the stream starts with their count)."""
     flat = np.ascontiguousarray(rows).reshape(-1)
+    if extra:
+        flat = flat[_PREFIX:]
     n = int.from_bytes(flat[:_PREFIX].tobytes(), "little")
     doc = json.loads(flat[_PREFIX:_PREFIX + n].tobytes())
     return {k: _decode_value(v) for k, v in doc.items()}

@@ -7,14 +7,18 @@ process that is; a process that loses the race attaches.
 
 Storage: user column ``i`` is the store's column ``c{i}`` (swm names need
 not be Python identifiers), ``done`` ends every episode on its last row,
-``mark`` flags the one-row episodes that ``clear()`` writes, and ``epd``
-carries the episode's ``_episode_data`` (see ``_swm_codec``).  The metadata
+``mark`` flags the one-row episodes that ``clear()`` writes (``MARK_CLEAR``)
+and the rows that only carry episode data (``MARK_DATA``), and ``epd``
+carries the episode's ``_episode_data`` (see ``_swm_codec``).  Data that the
+episode's own rows cannot hold (the column's width is fixed by the first
+episode) goes into extra rows written before the episode's steps, in the
+same append: any size fits, published and recycled with its episode.  The metadata
 keeps the user names, the text columns and the parameters.
 
 Reading: a ``View`` is the finished episodes held now, oldest first (the
 order they ended), as one flat array of physical rows, episode after
-episode, like swm's flat storage.  Episodes whose rows were recycled are
-dropped, and so is everything up to the newest ``clear()`` mark.  Every read
+episode, like swm's flat storage (data rows left out).  Episodes whose
+rows were recycled are dropped, and so is everything up to the newest ``clear()`` mark.  Every read
 checks, after its copy, that no chunk it read was recycled meanwhile.
 """
 from __future__ import annotations
@@ -42,6 +46,8 @@ from . import _swm_codec as codec
 
 FACADE = "swm"
 RETRIES = 8   # reads again after a recycled episode, before giving up
+MARK_CLEAR = 1   # ``mark`` of the one-row episode clear() writes
+MARK_DATA = 2    # ``mark`` of a row before an episode's steps that carries only its data
 
 
 class TableChangedError(RuntimeError):
@@ -214,12 +220,19 @@ class Table:
         if buf is None:
             buf = self._create(cols, blob, steps, who)
         self.check(cols, who)
-        width = buf.spec["epd"][0][0]
-        epd = codec.spread(blob, steps, width, who)
-        done = np.zeros(steps, np.bool_)
+        extra, epd = codec.spread(blob, steps, buf.spec["epd"][0][0])
+        if steps + extra > buf.capacity:
+            raise ValueError(
+                f"{who}: the episode's {codec.EPISODE_DATA_KEY} takes {len(blob)} bytes "
+                f"encoded, which needs {extra} rows beside its {steps} steps; "
+                f"{steps + extra} rows exceed max_steps={buf.capacity}")
+        done = np.zeros(steps + extra, np.bool_)
         done[-1] = True
-        values = {f"c{i}": cols[c] for i, c in enumerate(buf.meta["columns"])}
-        values.update(done=done, mark=np.zeros(steps, np.uint8), epd=epd)
+        mark = np.zeros(steps + extra, np.uint8)
+        mark[:extra] = MARK_DATA
+        values = {f"c{i}": _with_blank_rows(cols[c], extra)
+                  for i, c in enumerate(buf.meta["columns"])}
+        values.update(done=done, mark=mark, epd=epd)
         self._get_writer().extend(**values)
 
     def clear(self) -> None:
@@ -231,7 +244,7 @@ class Table:
         for col, (shape, dtype) in buf.spec.items():
             values[col] = np.zeros((1,) + tuple(shape), dtype)
         values["done"][:] = True
-        values["mark"][:] = 1
+        values["mark"][:] = MARK_CLEAR
         self._get_writer().extend(**values)
         self._view = None
 
@@ -286,10 +299,18 @@ class Table:
             remove(self.name)
 
 
+def _with_blank_rows(arr: np.ndarray, extra: int) -> np.ndarray:
+    """``arr`` after ``extra`` blank rows (the data rows' value in a user column)."""
+    if not extra:
+        return arr
+    return np.concatenate([np.zeros((extra,) + arr.shape[1:], arr.dtype), arr])
+
+
 class View:
     """The held finished episodes as flat rows (see the module docstring)."""
 
-    def __init__(self, buf, logged: int, index, lengths, rows, chunks, seqs, hops):
+    def __init__(self, buf, logged: int, index, lengths, rows, chunks, seqs, hops,
+                 data_rows=None):
         self.buf = buf
         self.logged = logged
         self.index = index                  # episode-index numbers, oldest first
@@ -299,6 +320,8 @@ class View:
             np.cumsum(lengths[:-1], out=self.offsets[1:])
         self.rows = rows                    # int64 physical rows, episode after episode
         self.chunks, self.seqs, self.hops = chunks, seqs, hops   # (n, hops) padded
+        # {episode-index number: physical rows before its steps that carry only its data}
+        self.data_rows: dict[int, np.ndarray] = data_rows or {}
         self._starts: dict[int, np.ndarray] = {}
         self._data: dict[int, dict] = {}
         self._inverse: tuple[np.ndarray, np.ndarray] | None = None
@@ -351,9 +374,11 @@ class View:
                 continue
             found.append((int(eps.index[k]), w.rows[0], w.chunks[0], w.seqs[0]))
         # The newest clear() mark hides itself and everything that ended before it.
-        marks = _marks(buf, found)
+        marks, extra = _marks(buf, found)
         if marks:
             found = found[marks[-1] + 1:]
+        data_rows = {i: r[:extra[i]] for i, r, _, _ in found if i in extra}
+        found = [(i, r[extra.get(i, 0):], c, s) for i, r, c, s in found]
         hops = max([len(f[2]) for f in found], default=1)
         n = len(found)
         chunks = np.empty((n, hops), np.int64)
@@ -364,7 +389,7 @@ class View:
         view = cls(buf, logged, np.array([f[0] for f in found], np.int64),
                    np.array([len(f[1]) for f in found], np.int64),
                    np.concatenate([f[1] for f in found]) if found else np.zeros(0, np.int64),
-                   chunks, seqs, hops)
+                   chunks, seqs, hops, data_rows)
         view.cleared = bool(marks)
         ok = view.check_episodes(np.arange(n))
         if not ok.all():   # recycled since the index was read: drop them
@@ -385,20 +410,26 @@ class View:
                     np.concatenate([self.lengths, newer.lengths]),
                     np.concatenate([self.rows, newer.rows]),
                     np.concatenate([pad(self.chunks), pad(newer.chunks)]),
-                    np.concatenate([pad(self.seqs), pad(newer.seqs)]), hops)
+                    np.concatenate([pad(self.seqs), pad(newer.seqs)]), hops,
+                    {**self.data_rows, **newer.data_rows})
 
     def keep_only(self, ok: np.ndarray, logged: int) -> View:
         """The episodes where ``ok``."""
         first = int(np.argmax(ok)) if ok.any() else len(ok)
+        data_rows = self.data_rows
+        if data_rows:
+            kept = set(self.index[ok].tolist())
+            data_rows = {i: r for i, r in data_rows.items() if i in kept}
         if ok[first:].all():     # the usual case: the oldest episodes went
             a = int(self.offsets[first]) if first < len(ok) else len(self.rows)
             return View(self.buf, logged, self.index[first:], self.lengths[first:],
-                        self.rows[a:], self.chunks[first:], self.seqs[first:], self.hops)
+                        self.rows[a:], self.chunks[first:], self.seqs[first:], self.hops,
+                        data_rows)
         parts = [self.rows[a:a + n] for a, n, good in
                  zip(self.offsets.tolist(), self.lengths.tolist(), ok.tolist()) if good]
         return View(self.buf, logged, self.index[ok], self.lengths[ok],
                     np.concatenate(parts) if parts else np.zeros(0, np.int64),
-                    self.chunks[ok], self.seqs[ok], self.hops)
+                    self.chunks[ok], self.seqs[ok], self.hops, data_rows)
 
     def check_episodes(self, eps: np.ndarray) -> np.ndarray:
         """True for each episode of ``eps`` whose chunks were not recycled."""
@@ -476,23 +507,37 @@ class View:
         got = self._data.get(ep)
         if got is None:
             a, n = int(self.offsets[ep]), int(self.lengths[ep])
-            got = codec.gather_data(self.gather("epd", np.arange(a, a + n)))
+            extra = self.data_rows.get(int(self.index[ep]))
+            rows = self.rows[a:a + n]
+            if extra is not None:
+                rows = np.concatenate([extra, rows])
+            epd = self.buf.port.take_rows(["epd"], rows[None], self.chunks[ep:ep + 1],
+                                            self.seqs[ep:ep + 1])["epd"][0]
+            got = codec.gather_data(epd, extra is not None)
             self.confirm(np.array([ep]), "episode data")
             self._data[ep] = got
         return got
 
 
-def _marks(buf, found: list) -> list[int]:
-    """Which of the located episodes ``found`` are ``clear()`` marks (one row, ``mark`` set).
-    Read like every column (``take_rows``); the caller re-checks the episodes after."""
-    ones = [n for n, f in enumerate(found) if len(f[1]) == 1]
-    if not ones:
-        return []
-    rows = np.array([found[n][1] for n in ones], np.int64)          # (m, 1)
-    hops = (np.array([found[n][2][:1] for n in ones], np.int64),
-            np.array([found[n][3][:1] for n in ones], np.int64))
-    mark = buf.port.take_rows(["mark"], rows, *hops)["mark"][:, 0]
-    return [n for n, m in zip(ones, mark.tolist()) if m]
+def _marks(buf, found: list) -> tuple[list[int], dict[int, int]]:
+    """``(clears, extra)`` of the located episodes ``found``: the positions of ``clear()``
+    marks (one row, ``MARK_CLEAR``), and ``{episode-index number: data rows}`` of the
+    episodes that begin with rows carrying only data (``MARK_DATA``).  Read like every
+    column (``take_rows``); the caller re-checks the episodes after."""
+    if not found:
+        return [], {}
+    rows = np.array([f[1][:1] for f in found], np.int64)           # (m, 1): first rows
+    hops = (np.array([f[2][:1] for f in found], np.int64),
+            np.array([f[3][:1] for f in found], np.int64))
+    got = buf.port.take_rows(["mark", "epd"], rows, *hops)
+    clears, extra = [], {}
+    for n, m in enumerate(got["mark"][:, 0].tolist()):
+        length = len(found[n][1])
+        if length == 1 and m:
+            clears.append(n)
+        elif m == MARK_DATA and length > 1:   # a recycled row may read anything: clamp
+            extra[found[n][0]] = min(max(codec.extra_rows(got["epd"][n, 0]), 1), length - 1)
+    return clears, extra
 
 
 def retrying(fn, table: Table, who: str):

@@ -192,14 +192,15 @@ class ReplayBuffer(Dataset):
     def write_episode(self, ep_data: dict) -> None:
         """Append one finished episode (per-step lists or ``(T, ...)`` arrays).
 
-        ``_episode_data`` carries per-episode values.  The first episode
-        fixes the columns, per-step shapes and dtypes; the episode becomes
-        visible to every process at once when it is whole.
+        ``_episode_data`` carries per-episode values of any size (what the
+        episode's own rows cannot hold takes rows of its own, see docs/swm.md).
+        The first episode fixes the columns, per-step shapes and dtypes; the
+        episode becomes visible to every process at once when it is whole.
 
         Raises:
             ValueError: a scalar column, columns of unequal length, an episode
-                longer than ``max_steps``, or another schema than the first
-                episode's; nothing is written.
+                longer than ``max_steps`` (with its episode data's rows), or
+                another schema than the first episode's; nothing is written.
             TypeError: a column of Python objects, or unsupported episode data.
         """
         who = "ReplayBuffer.write_episode"
