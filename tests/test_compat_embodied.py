@@ -4,12 +4,14 @@ Items are checked against a reference model of upstream's definition: every
 ``length`` consecutive steps of one worker form an item, the newest
 ``capacity`` items are live.
 """
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -650,3 +652,50 @@ def test_save_of_compressed_chunks_writes_the_frames_a_raw_replay_writes(make, t
     raw, packed = saved
     assert sorted(raw) == sorted(packed) == list(range(120))
     assert all((raw[s] == packed[s]).all() for s in raw)
+
+
+class _Lines:
+    """A stdout that keeps what is printed and sets ``ready`` at the ``wanted``-th line."""
+
+    def __init__(self, wanted: int):
+        self.lines: list[str] = []
+        self.wanted = wanted
+        self.ready = threading.Event()
+
+    def write(self, text: str) -> int:
+        self.lines.extend(line for line in text.splitlines() if line)
+        if len(self.lines) >= self.wanted:
+            self.ready.set()
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def test_an_empty_sample_says_what_it_waits_for_then_repeats(make, monkeypatch):
+    monkeypatch.setattr(embodied, "WAIT_NOTICE_FIRST", 0.05)   # 5 s as shipped
+    monkeypatch.setattr(embodied, "WAIT_NOTICE_EVERY", 0.05)   # 60 s as shipped
+    r = make(3, 100, name="actors")
+    out = _Lines(wanted=2)
+
+    def add_after_two_notices():
+        out.ready.wait(TIMEOUT)      # the steps come either way: sample() never hangs
+        fill(r, 3)
+
+    adder = threading.Thread(target=add_after_two_notices)
+    with contextlib.redirect_stdout(out):
+        adder.start()
+        try:
+            data = r.sample(2)
+        finally:
+            adder.join(TIMEOUT)
+    assert out.ready.is_set() and not adder.is_alive()
+    assert data["step"].tolist() == [[0, 1, 2], [0, 1, 2]]
+    first, second = out.lines[:2]
+    assert first.startswith("Replay buffer actors is empty, waited ")
+    assert "its first item, 3 consecutive steps" in first and "no step was added" in first
+    assert second.startswith("Replay buffer actors is empty, waited ")
+    quiet = _Lines(wanted=1)
+    with contextlib.redirect_stdout(quiet):
+        r.sample(2)                  # items held: no word
+    assert quiet.lines == []

@@ -42,6 +42,10 @@ __all__ = ["Fifo", "Mixture", "Prioritized", "Recency", "Replay", "Uniform"]
 
 _HIDDEN = ("item", "stream", "pos")   # the facade's own int64 columns (see _embodied_draw)
 _DEFAULT_CAPACITY = 1_000_000
+# An empty sample() says what it waits for after WAIT_NOTICE_FIRST seconds, then every
+# WAIT_NOTICE_EVERY seconds (upstream prints its notice every 60 s, the first after 60 s).
+WAIT_NOTICE_FIRST = 5.0
+WAIT_NOTICE_EVERY = 60.0
 _STORE_CHUNK = 128
 
 
@@ -334,7 +338,8 @@ class Replay(Facade):
     def sample(self, batch, mode="train") -> dict:
         """``batch`` items: ``{key: (batch, length, ...)}`` plus ``stepid`` ``(batch, length, 20)``.
 
-        Waits while the replay holds no item (as upstream).  ``is_first`` is
+        Waits while the replay holds no item (as upstream), and prints what it
+        waits for after 5 s, then every 60 s (upstream: every 60 s).  ``is_first`` is
         set at position 0 and ``is_last`` before every later ``is_first``.
 
         Args:
@@ -372,12 +377,27 @@ class Replay(Facade):
         return _annotated(data)
 
     def _wait_items(self) -> None:
+        """Return once the replay holds an item; say so while it waits (see ``WAIT_NOTICE_*``)."""
+        if len(self) > 0:
+            return
+        start = time.monotonic()
+        notice = start + WAIT_NOTICE_FIRST
         pause = 1e-4
-        while True:
-            if len(self) > 0:
-                return
-            time.sleep(pause)
+        while len(self) == 0:
+            now = time.monotonic()
+            if now >= notice:
+                print(self._empty_notice(now - start), flush=True)
+                notice = now + WAIT_NOTICE_EVERY
+            time.sleep(min(pause, max(notice - now, 0.0)))
             pause = min(2 * pause, 0.02)
+
+    def _empty_notice(self, waited: float) -> str:
+        buffer = self._ensure()
+        held = ("no step was added yet" if buffer is None else
+                f"{buffer.stats().live_steps} steps held, no stream has {self.length} yet")
+        return (f"Replay buffer {self.label} is empty, waited {waited:.1f}s: sample() waits "
+                f"for its first item, {self.length} consecutive steps added to one worker's "
+                f"stream by any process ({held}; segment {self._shm_name})")
 
     # -- priorities and replay context ----------------------------------------------
     def update(self, data) -> None:
