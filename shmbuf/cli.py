@@ -60,6 +60,13 @@ class _Info:
             words.append("closed")
         return " ".join(words)
 
+    def held(self) -> int:
+        """Bytes of /dev/shm the segment holds now (its allocated blocks)."""
+        space = self.segment.space
+        if space is None:
+            return os.stat(os.path.join(SHM_DIR, self.name)).st_blocks * 512
+        return space.reserved_bytes()
+
     def live(self) -> int:
         """Live steps of a step store; live entries over every key of keyed rings."""
         if not self.keyed:
@@ -127,7 +134,10 @@ def _human(n: float) -> str:
 
 
 def cmd_ls(args) -> int:
-    print(f"{'NAME':<32} {'SIZE':>10} {'CAPACITY':>10} {'FILL':>10} {'OWNER':>20} {'WRITERS':>7}")
+    # IN /DEV/SHM: the pages the segment holds now; MAX SIZE: its apparent size (a segment
+    # is sparse, so that is what it would hold with every chunk written and raw).
+    print(f"{'NAME':<32} {'IN /DEV/SHM':>11} {'MAX SIZE':>10} {'CAPACITY':>10} {'FILL':>10} "
+          f"{'OWNER':>20} {'WRITERS':>7}")
     for info in _scan():
         if isinstance(info, tuple):
             name, why = info
@@ -135,8 +145,9 @@ def cmd_ls(args) -> int:
                   f"'python -m shmbuf rm --force {name}' if it is a leftover")
             continue
         try:
-            print(f"{info.name:<32} {_human(info.segment.size):>10} {info.layout.capacity:>10} "
-                  f"{info.live():>10} {info.state():>20} {len(info.writers()):>7}")
+            print(f"{info.name:<32} {_human(info.held()):>11} {_human(info.segment.size):>10} "
+                  f"{info.layout.capacity:>10} {info.live():>10} {info.state():>20} "
+                  f"{len(info.writers()):>7}")
         finally:
             info.close()
     return 0
@@ -148,11 +159,9 @@ def cmd_info(args) -> int:
         lay, ring = info.layout, info.ring
         print(f"name         {info.name}")
         print(f"kind         {'keyed rings' if info.keyed else 'step store'}")
-        print(f"size         {_human(info.segment.size)}")
         # Pages are reserved as chunks are first claimed (shmbuf.posix.space).
-        space = info.segment.space
-        if space is not None:
-            print(f"reserved     {_human(space.reserved_bytes())} of /dev/shm")
+        print(f"in /dev/shm  {_human(info.held())} (the pages it holds now)")
+        print(f"max size     {_human(info.segment.size)} (every chunk written and raw)")
         print(f"owner        {info.state()}")
         print(f"meta         {_short_meta(info.owner['meta'])}")
         if info.keyed:

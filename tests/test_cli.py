@@ -82,7 +82,7 @@ def test_ls_info_top_rm(make_buffer):
         ls = cli("ls")
         assert ls.returncode == 0
         row = next(line for line in ls.stdout.splitlines() if line.startswith(buf.name))
-        assert row.split()[3:5] == ["100", "30"] and "alive" in row
+        assert row.split()[5:7] == ["100", "30"] and "alive" in row
         info = cli("info", buf.name)
         assert info.returncode == 0
         assert "live steps   30" in info.stdout and "obs" in info.stdout
@@ -138,6 +138,35 @@ def test_rm_removes_a_dead_owners_buffer_without_force(orphan):
 
 
 @pytest.mark.slow
+def _ls_row(name: str) -> dict:
+    """``shmbuf ls``'s row for ``name`` by the header's labels (a size is two words)."""
+    lines = cli("ls").stdout.splitlines()
+    assert lines[0].split()[:6] == ["NAME", "IN", "/DEV/SHM", "MAX", "SIZE", "CAPACITY"]
+    words = next(line for line in lines if line.startswith(name + " ")).split()
+    return {"IN /DEV/SHM": " ".join(words[1:3]), "MAX SIZE": " ".join(words[3:5]),
+            "CAPACITY": words[5], "FILL": words[6]}
+
+
+def _human(n: int) -> str:
+    from shmbuf.cli import _human
+    return _human(n)
+
+
+def test_ls_and_info_show_what_a_buffer_holds_in_dev_shm_and_its_largest_size(make_buffer):
+    buf = make_buffer({"frame": ((64, 64, 3), np.uint8), "done": ((), np.bool_)}, 100_000)
+    with buf.writer() as w:
+        w.extend(frame=np.ones((300, 64, 64, 3), np.uint8), done=np.zeros(300, bool))
+        st = os.stat(f"/dev/shm/{buf.name}")
+        held, size = st.st_blocks * 512, st.st_size
+        assert 300 * 64 * 64 * 3 <= held < size / 100    # sparse: a page per written row
+        row = _ls_row(buf.name)
+        assert row["IN /DEV/SHM"] == _human(held) and row["MAX SIZE"] == _human(size)
+        assert (row["CAPACITY"], row["FILL"]) == ("100000", "300")
+        info = cli("info", buf.name).stdout
+        assert f"in /dev/shm  {_human(held)} (the pages it holds now)" in info
+        assert f"max size     {_human(size)} (every chunk written and raw)" in info
+
+
 def test_ls_flags_a_shmbuf_named_entry_that_is_not_a_buffer():
     name = f"shmbuf-test-cli-garbage-{os.getpid()}"
     garbage = posix_ipc.SharedMemory("/" + name, posix_ipc.O_CREX, size=8192)
@@ -186,7 +215,7 @@ def test_ls_info_and_top_agree_on_a_history_buffer_and_show_its_keys():
             hb.append({"pixels": np.zeros((2, 1, 2), np.uint8),
                        "action": np.zeros((2, 1, 3), np.float32)})
         row = next(line for line in cli("ls").stdout.splitlines() if line.startswith(hb.name))
-        assert row.split()[4] == "6"   # 3 entries for each of 2 envs
+        assert row.split()[6] == "6"   # 3 entries for each of 2 envs
         top = cli("top", hb.name, "--iterations", "1", "--interval", "0")
         assert "fill 6/" in top.stdout
         info = cli("info", hb.name)
