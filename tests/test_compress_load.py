@@ -7,6 +7,7 @@ from a raw buffer and loaded with the same seed give the reference for every rea
 """
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
@@ -138,6 +139,45 @@ def test_every_read_of_the_loaded_buffer_is_bit_identical(saves, frames, tmp_pat
     finally:
         a.close()
         b.close()
+
+
+def _held(path) -> int:
+    return sum(os.stat(f).st_blocks * 512 for f in path.iterdir())
+
+
+def _apparent(path) -> int:
+    return sum(os.stat(f).st_size for f in path.iterdir())
+
+
+def test_a_compacted_save_is_sparse_and_loads_the_same_once_its_holes_are_filled(
+        saves, frames, tmp_path):
+    raw_dir, packed_dir, _ = saves
+    # The compressed rows of obs.npy are holes: the save holds far less than it spans.
+    assert _held(packed_dir) < _apparent(packed_dir) / 4
+    # The copies the saving guide gives keep the holes.
+    subprocess.run(["cp", "-r", "--sparse=always", str(packed_dir), str(tmp_path / "cp")],
+                   check=True, timeout=TIMEOUT)
+    archive = tmp_path / "save.tar"
+    subprocess.run(["tar", "-S", "-cf", str(archive), "-C", str(packed_dir), "."],
+                   check=True, timeout=TIMEOUT)
+    (tmp_path / "tar").mkdir()
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(tmp_path / "tar")],
+                   check=True, timeout=TIMEOUT)
+    assert archive.stat().st_size < _apparent(packed_dir) / 4
+    for copy in ("cp", "tar"):
+        assert _held(tmp_path / copy) < _apparent(packed_dir) / 4, copy
+    # A copy that writes every byte (object storage, tar without -S) fills the holes with
+    # zeros: it is as large as a raw save, and loads the same steps.
+    filled = tmp_path / "filled"
+    filled.mkdir()
+    for f in packed_dir.iterdir():
+        (filled / f.name).write_bytes(f.read_bytes())
+    assert _held(filled) >= _apparent(packed_dir)
+    with shmbuf.load(raw_dir, seed=3) as a, shmbuf.load(filled, seed=3) as b:
+        assert b.stats().compression.compressed_chunks > 50
+        x, y = a.snapshot()["columns"], b.snapshot()["columns"]
+        assert all(np.array_equal(x[k], y[k]) for k in x)
+        check(frames, y)
 
 
 def test_writers_wrap_into_loaded_chunks_and_compaction_goes_on(saves, frames):
