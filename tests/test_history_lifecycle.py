@@ -11,7 +11,6 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import signal
 
 import numpy as np
 import pytest
@@ -27,7 +26,7 @@ from helpers.history_workers import (
 from helpers.keyed_workers import history_info, history_worker
 from helpers.procs import join_all, reap
 from helpers.shm import own_entries
-from helpers.stop_workers import TIMEOUT, shm_exists
+from helpers.stop_workers import TIMEOUT, Script, shm_exists
 
 import shmbuf
 from shmbuf import cli
@@ -35,7 +34,6 @@ from shmbuf.compat.history import HistoryBuffer
 from shmbuf.disk import keyed_save as _keyed_save
 from shmbuf.keyed import rings as keyed
 from shmbuf.params import ParamBlock
-from shmbuf.posix import signals as _signals
 from shmbuf.posix.wait import poll
 from shmbuf.protocol import header as _header
 from shmbuf.protocol.layout import CLOSED_OWNER
@@ -228,18 +226,32 @@ def test_shmbuf_attach_adopts_a_history_buffer_and_gc_spares_it(capsys):
 
 # -- SIGTERM (a script owner's death by SIGTERM: test_signals.py, test_adopt.py) ----------------
 def test_owners_install_the_handler_until_the_last_closes():
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-        pytest.skip("the test runner has its own SIGTERM handler")
-    history = HistoryBuffer(2, 4)  # owns its name before it has a schema
-    assert _signals.installed()
-    block = ParamBlock.create({"w": np.zeros(2, np.float32)})
-    history.close()
-    assert _signals.installed()
-    block.close()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    with HistoryBuffer(2, 4, handle_signals=False), \
-            ParamBlock.create({"w": np.zeros(1)}, handle_signals=False):
+    # In a fresh interpreter, where SIGTERM has its default action whatever handler an
+    # earlier test left in this one (ray.init installs Ray's).
+    script = Script("""
+        import signal
+        import numpy as np
+        from shmbuf import HistoryBuffer
+        from shmbuf.params import ParamBlock
+        from shmbuf.posix import signals as _signals
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        history = HistoryBuffer(2, 4)  # owns its name before it has a schema
+        assert _signals.installed()
+        block = ParamBlock.create({"w": np.zeros(2, np.float32)})
+        history.close()
+        assert _signals.installed()
+        block.close()
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        with HistoryBuffer(2, 4, handle_signals=False), \\
+                ParamBlock.create({"w": np.zeros(1)}, handle_signals=False):
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        print("checked", flush=True)
+    """)
+    try:
+        assert script.line() == "checked"
+        assert script.wait() == 0, script.stderr()
+    finally:
+        script.close()
 
 
 def test_handle_signals_is_checked_before_anything_is_created():
