@@ -108,16 +108,21 @@ def main():
             wait_for_workers(buf, procs, min_steps=min(1_000, args.workers * args.steps))
             print("training: sampling 16 windows of 50 steps per batch", flush=True)
             start, batches = time.perf_counter(), 0
-            while any(p.is_alive() for p in procs) or batches < 10:
+            total = args.workers * args.steps
+            # Train while the workers write (10 batches at least), not while they exit.
+            while batches < 10 or (buf.stats().steps_written < total
+                                   and any(p.is_alive() for p in procs)):
                 batch = buf.sample_sequences(batch_size=16, length=50)
                 done = batch["done"]  # (L, B): only the last step may be terminal
                 assert not done[:-1].any(), "a window crossed an episode boundary"
                 batches += 1
                 if batches % 10 == 0:
                     s = buf.stats()
+                    writing = (f"workers writing {s.writers}" if s.steps_written < total
+                               else "every step written")
                     print(f"  batch {batches:5d}  {time.perf_counter() - start:5.1f} s  "
-                          f"written {s.steps_written:6d}  held {s.live_steps:6d}  "
-                          f"workers writing {s.writers}", flush=True)
+                          f"written {s.steps_written:6d}  held {s.live_steps:6d}  {writing}",
+                          flush=True)
             for p in procs:
                 p.join(timeout=60)
             elapsed = time.perf_counter() - start

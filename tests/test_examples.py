@@ -32,6 +32,11 @@ def test_quickstart_runs_and_summarises():
                for line in lines if line.lstrip().startswith("batch ")]
     assert batches and [b for b, _ in batches] == list(range(10, 10 * len(batches) + 1, 10))
     assert [w for _, w in batches] == sorted(w for _, w in batches), lines
+    # Training stops once every step is written (after 10 batches at least), and says so:
+    # no run of batch lines reports workers that have all finished as "workers writing 0".
+    done = [line for line in lines if re.search(r"written\s+3000\b", line)
+            and line.lstrip().startswith("batch ")]
+    assert len(done) <= 1 and all("every step written" in line for line in done), lines
 
 
 @pytest.mark.slow
