@@ -323,6 +323,25 @@ def test_sample_sequences_rejects_bad_arguments(buf, case, kwargs, exc, text):
         np.testing.assert_array_equal(v, copy, err_msg=f"out[{k!r}] written by a failed call")
 
 
+@pytest.mark.parametrize("rng, exc", [("x", TypeError), (-1, ValueError), (1.5, TypeError),
+                                      (True, TypeError), ([1, "a"], ValueError)])
+@pytest.mark.parametrize("call", ["sample_sequences", "sample_steps", "count_valid_starts",
+                                  "count_episodes", "prefetch"])
+def test_a_bad_rng_is_named(buf, call, rng, exc):
+    before = state(buf)
+    calls = {"sample_sequences": lambda: buf.sample_sequences(2, 4, rng=rng),
+             "sample_steps": lambda: buf.sample_steps(2, rng=rng),
+             "count_valid_starts": lambda: buf.count_valid_starts(4, rng=rng),
+             "count_episodes": lambda: buf.count_episodes(4, rng=rng),
+             "prefetch": lambda: buf.prefetch(2, 4, rng=rng, device="cpu")}
+    with pytest.raises(exc) as info:
+        calls[call]()
+    assert str(info.value).startswith(f"rng must be None, a seed (an int >= 0 or a sequence "
+                                      f"of them), a numpy SeedSequence, BitGenerator or "
+                                      f"Generator; got {rng!r}")
+    assert_unchanged(buf, before)
+
+
 def test_sample_sequences_accepts_good_out(buf):
     out = _out(L4B2)
     got = buf.sample_sequences(2, 4, out=out, rng=0)

@@ -25,9 +25,7 @@ import threading
 import weakref
 from collections import deque
 
-import numpy as np
-
-from .._args import check_int
+from .._args import check_int, generator
 from .._errors import BufferClosedError, WaitTimeoutError
 
 _JOIN_S = 60.0      # bound on the wait for a thread that finishes its batch
@@ -116,7 +114,7 @@ class Prefetcher:
         self._slots = [_Slot(spec, lead, self.device, pin) for _ in range(depth)]
         self._held = None          # the slot whose batch the consumer holds
         self._state = _State(depth)
-        gen = None if rng is None else np.random.default_rng(rng)
+        gen = None if rng is None else generator("rng", rng)
         stream = None
         if self.device.type == "cuda":
             import torch

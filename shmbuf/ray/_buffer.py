@@ -9,6 +9,7 @@ import numpy as np
 import ray
 
 import shmbuf
+from shmbuf._args import generator
 from shmbuf.ray import _ids, _sampler
 from shmbuf.ray._count import MODES, modes
 from shmbuf.ray._errors import ShardLostError, is_loss
@@ -245,7 +246,7 @@ class ShardedBuffer:
         self._check_open()
         batch_size, length, tail, mix = self._sample_args(batch_size, length, tail, uniform,
                                                           newest, select)
-        gen = self._rng if rng is None else np.random.default_rng(rng)
+        gen = self._rng if rng is None else generator("rng", rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         if not isinstance(ids, bool):
             raise TypeError(f"ids must be True or False, got {ids!r}")
@@ -361,7 +362,8 @@ class ShardedBuffer:
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        gen = np.random.default_rng(self._rng.integers(1 << 63) if rng is None else rng)
+        gen = (np.random.default_rng(self._rng.integers(1 << 63)) if rng is None
+               else generator("rng", rng))
         return Prefetcher(self, batch_size, length, depth=depth, device=device,
                           pin_memory=pin_memory, rng=gen, **sample_kwargs)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._args import check_int
+from .._args import check_int, generator
 from .._errors import SampleTooLargeError
 from ..posix.memory import available_bytes
 from ..posix.wait import check_timeout
@@ -95,7 +95,7 @@ class Reads(BufferState):
                                                           newest, select,
                                                           allocates=out is None)
         timeout = check_timeout(timeout)
-        gen = self._random.get() if rng is None else np.random.default_rng(rng)
+        gen = self._random.get() if rng is None else generator("rng", rng)
         lead = (length, batch_size) if time_major else (batch_size, length)
         if not isinstance(ids, bool):
             raise TypeError(f"ids must be True or False, got {ids!r}")
@@ -535,7 +535,7 @@ class Reads(BufferState):
         length = check_int("length", length, 1, self._layout.capacity)
         tail = check_int("tail", tail, 0, length - 1)
         probes = check_int("probes", probes, 1, 1 << 24)
-        gen = self._random.get() if rng is None else np.random.default_rng(rng)
+        gen = self._random.get() if rng is None else generator("rng", rng)
         return length, tail, gen, probes
 
 
