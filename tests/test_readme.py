@@ -157,3 +157,14 @@ def test_every_figure_on_the_performance_page_names_its_benchmark():
         if re.search(r"\d+(\.\d+)?x\b|\bMB/s\b|\bsteps/s\b|\bus\b|\bms\b", section):
             assert re.search(r"python benchmarks/\w+\.py", section), \
                 f"performance.md, '{title}': a figure without its benchmark command"
+
+
+def test_the_readme_names_the_command_line_and_each_of_its_commands():
+    commands = set(cli.build_parser()._subparsers._group_actions[0].choices)
+    lines = README.splitlines()
+    at = [i for i, line in enumerate(lines) if "`shmbuf ls`" in line]
+    assert at, "the README never mentions the command line"
+    said = set(re.findall(r"`(?:shmbuf )?(\w+)`", " ".join(lines[at[0]:at[0] + 2])))
+    assert commands <= said, sorted(commands - said)
+    assert "(docs/memory-and-crashes.md#the-command-line)" in README
+    assert "### The command line" in _guide("memory-and-crashes.md")
