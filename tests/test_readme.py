@@ -168,3 +168,14 @@ def test_the_readme_names_the_command_line_and_each_of_its_commands():
     assert commands <= said, sorted(commands - said)
     assert "(docs/memory-and-crashes.md#the-command-line)" in README
     assert "### The command line" in _guide("memory-and-crashes.md")
+
+
+def test_the_install_guide_says_the_swm_extra_pulls_torch_and_gives_the_cpu_route():
+    # The claim holds while the extra needs torchvision (which needs torch).
+    assert any(r.startswith("torchvision") for r in _extra("swm"))
+    guide = _guide("installation.md")
+    section = guide.split("## The stable-worldmodel extra pulls a CUDA torch", 1)[1]
+    section = section.split("\n## ", 1)[0]
+    assert "6.5 GB" in section
+    assert ("pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu\n"
+            "pip install -e '.[swm]'") in section
