@@ -20,6 +20,10 @@ Rows:
   c5   the same batch with every window in cold chunks / the codec alone decoding the
        blocks the batch touches into one array that keeps them (<= 1.3x); c5h against
        the codec decoding each into one reused, cached block (its own speed, reported).
+  c5r  sample(50, 50) with every window cold (zstd 1) / the same windows in an uncompressed
+       buffer: what a cold batch costs against a raw one (reported).
+  c5l  the same cold batch from an lz4 (level 1) buffer / from the zstd one, the same windows
+       (reported); c5lb the obs bytes the lz4 buffer keeps / the zstd one's.
   c6   trainer wait per batch with 2 prefetch threads and 20 ms of compute per batch:
        cold chunks / raw buffer (<= 1.5x).
   c7a  2 writers stepping live ALE envs (Atari's own insert rate) behind the owner's
@@ -40,7 +44,7 @@ Rows:
        compressed blocks go back as they are), c8m the bytes of /dev/shm the loaded buffer
        holds right after load (its reserved_bytes).
 
-``--only c8`` (keys separated by commas: c1, c2, c3, c4, c7, c8) runs those sections alone.
+``--only c8`` (keys separated by commas: c1, c2, c3, c4, c5, c7, c8) runs those sections alone.
 """
 from __future__ import annotations
 
@@ -330,6 +334,42 @@ def c4_c6_sampling(path: str, capacity: int, reps: int) -> list[Row]:
     return rows
 
 
+def c5_codecs(path: str, capacity: int, reps: int) -> list[Row]:
+    """A cold batch against a raw one, and lz4 against zstd: the same steps in a raw buffer
+    and in two buffers compacted whole (zstd level 1, lz4 level 1), sampled in interleaved
+    rounds with the same seed each round, so all three read the same windows."""
+    frames, done = load_frames(path)
+    bufs = {"raw": shmbuf.create(SPEC, capacity, seed=3)}
+    rows = []
+    try:
+        for codec in ("zstd", "lz4"):
+            bufs[codec] = shmbuf.create(SPEC, capacity, seed=3, compress=shmbuf.Compress(
+                "obs", codec=codec, level=1, hot_steps=0))
+        for b in bufs.values():
+            fill(b, frames, done, capacity)
+        for codec in ("zstd", "lz4"):
+            bufs[codec].compact(timeout=WAIT)
+            assert bufs[codec].stats().compression.cold_raw_chunks == 0
+        times: dict[str, list[float]] = {k: [] for k in bufs}
+        for r in range(reps * 10):
+            for k, b in bufs.items():
+                t0 = time.perf_counter()
+                b.sample_sequences(50, 50, rng=r)
+                times[k].append(time.perf_counter() - t0)
+        rows.append(Row("c5r", "sample(50, 50), every window cold (zstd 1)", "s",
+                        times["zstd"], times["raw"], "the same windows, uncompressed buffer",
+                        None))
+        rows.append(Row("c5l", "sample(50, 50), every window cold (lz4 1)", "s",
+                        times["lz4"], times["zstd"], "the same windows cold, zstd 1", None))
+        stored = {k: bufs[k].stats().compression.stored_bytes for k in ("zstd", "lz4")}
+        rows.append(Row("c5lb", "obs bytes kept compressed (lz4 1)", "B", [stored["lz4"]],
+                        [stored["zstd"]], "the same frames, zstd 1", None))
+    finally:
+        for b in bufs.values():
+            b.close()
+    return rows
+
+
 def _spy(locate, found: list):
     """``locate`` that also keeps every ``Windows`` it returns in ``found``."""
     def spy(*a, **k):
@@ -531,7 +571,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="c1's buffer (default 1M, or "
                     "the largest that /dev/shm and memory hold)")
     ap.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    ap.add_argument("--only", default="c1,c2,c3,c4,c7,c8",
+    ap.add_argument("--only", default="c1,c2,c3,c4,c5,c7,c8",
                     help="sections to run, by key, separated by commas")
     args = ap.parse_args()
     only = set(args.only.split(","))
@@ -551,6 +591,7 @@ def main() -> None:
     sections = {"c1": lambda: c1_memory(path, steps), "c2": lambda: c2_noise(capacity // 4, reps),
                 "c3": lambda: c3_writers(path, capacity, wsteps, reps),
                 "c4": lambda: c4_c6_sampling(path, capacity, reps),
+                "c5": lambda: c5_codecs(path, capacity, reps),
                 "c7": lambda: c7_keep_up(path, capacity // 4, 4 * wsteps, live, paced),
                 "c8": lambda: c8_save(path, capacity, reps)}
     for key, fn in sections.items():
