@@ -67,6 +67,26 @@ def test_a_batch_larger_than_memory_is_refused_before_allocating(make_buffer):
     assert buf.stats().samples == 1                 # the refused calls drew nothing
 
 
+def test_only_batches_past_the_floor_read_the_memory_figures(make_buffer, monkeypatch):
+    """Reading /proc and the cgroup costs as much as a whole small draw: a batch under
+    MEMORY_CHECK_FLOOR is not checked; one at the floor still is."""
+    from shmbuf.store import reads
+
+    buf = make_buffer(SPEC, 256)
+    with buf.writer() as w:
+        for _ in range(200):
+            w.add(obs=np.zeros((3, 64, 64), np.uint8), done=False)
+    asked = []
+    monkeypatch.setattr(reads, "available_bytes", lambda: asked.append(1) or 0)
+    row = 3 * 64 * 64 + 1
+    assert buf.sample_sequences(4, 50)["obs"].shape == (50, 4, 3, 64, 64)
+    assert asked == []                       # 4 * 50 rows: under the floor, not checked
+    at_floor = -(-reads.MEMORY_CHECK_FLOOR // (50 * row))   # windows of 50 that reach it
+    with pytest.raises(shmbuf.SampleTooLargeError, match=f"batch_size={at_floor} "):
+        buf.sample_sequences(at_floor, 50)
+    assert asked == [1]
+
+
 def test_a_handle_unpickled_after_its_segment_is_gone_says_how_to_keep_a_buffer(tmp_path):
     buf = shmbuf.create(SPEC, 16)
     try:

@@ -17,6 +17,12 @@ from ..select import resolve
 from ..writing.cast import coerce, host_array
 from .state import BufferState
 
+# Batches below this many bytes are not checked against the memory available: the check
+# reads /proc and the cgroup's files (tens of microseconds, as long as a whole small
+# draw), while such a batch costs a few milliseconds at most to copy, and one that does
+# not fit means the process is out of memory anyway (numpy's MemoryError says so).
+MEMORY_CHECK_FLOOR = 16 << 20
+
 
 class Reads(BufferState):
     """Sampling, counting, episodes and priorities of a ``Buffer`` (see its docs)."""
@@ -138,8 +144,11 @@ class Reads(BufferState):
         return batch_size, length, int(tail), sel
 
     def _check_batch_memory(self, batch_size: int, length: int) -> None:
-        """Refuse a batch larger than the memory available, before anything is allocated."""
+        """Refuse a batch larger than the memory available, before anything is allocated
+        (a batch of at least ``MEMORY_CHECK_FLOOR`` bytes: smaller ones are not checked)."""
         need = batch_size * length * sum(c.row_bytes for c in self._layout.user_columns)
+        if need < MEMORY_CHECK_FLOOR:
+            return
         have = available_bytes()
         if have is not None and need > have:
             raise SampleTooLargeError(
