@@ -240,6 +240,32 @@ def test_prioritized_draws_follow_the_score(exponent, maxfrac):
         assert buf._ring.priorities.stale_nodes() == (0, 0)
 
 
+@pytest.mark.parametrize("tree", [-1, 0, 1])
+def test_acceptance_stops_at_enough_with_the_picks_scoring_every_window_makes(tree):
+    # The draw's acceptance scores windows in order and stops once it has `need`: what it
+    # picks is what scoring them all (score_ratio) and keeping the first `need` picks.
+    with filled() as buf:
+        set_random(buf, frac=0.7)
+        finder = buf.port.finder
+        pri = finder.ring.priorities
+        rng = np.random.default_rng(3)
+        w = finder.locate(rng.integers(0, 900, 400), 8, 0, 400)
+        top = pri.largest()
+        _, ratio = pri.score_ratio(w.rows, 0.8, 0.5, top, tree)
+        for need in (0, 1, 5, 40, 400):
+            u = rng.random(len(w.rows))
+            every = np.flatnonzero(u < ratio)
+            picked, scored = pri.accept(w.rows, u, need, 0.8, 0.5, top, tree)
+            assert picked.tolist() == every[:need].tolist()
+            # Stopped right after the last pick it needed, else it scored them all.
+            assert scored == (every[need - 1] + 1 if 0 < need <= len(every)
+                              else 0 if need == 0 else len(w.rows))
+        with pytest.raises(ValueError, match="accept: arguments do not fit"):
+            pri.accept(w.rows, u[:-1], 5, 0.8, 0.5, top, tree)
+        with pytest.raises(ValueError, match="accept: row out of range"):
+            pri.accept(np.full((2, 8), buf.capacity), u[:2], 1, 0.8, 0.5, top, tree)
+
+
 @pytest.mark.slow
 def test_windows_longer_than_a_block_walk_back_across_chunks():
     # 16-row chunks and blocks, windows of 24: proposals step back over a chunk's link.

@@ -760,6 +760,91 @@ done:
     return result;
 }
 
+/* What scoring a window needs besides its rows: see score_ratio. */
+typedef struct {
+    double exponent, maxfrac, unset, g0, scale;
+    int tree;          /* -1: uniform proposals */
+    Py_ssize_t length;
+} Scoring;
+
+/* Check the arguments common to score_ratio and accept; fill `c`. */
+static int
+scoring_args(const PG *g, const Py_buffer *rows, Py_ssize_t m, double exponent, double maxfrac,
+             double top, double unset, int tree, Scoring *c, const char *who)
+{
+    if ((m > 0 && rows->len % (m * 8)) || tree < -1
+        || tree >= g->s.n_trees || !(unset >= 0) || !(top >= unset)) {
+        PyErr_Format(PyExc_ValueError, "%s: arguments do not fit", who);
+        return -1;
+    }
+    c->length = m ? rows->len / 8 / m : 0;
+    const int64_t *r = rows->buf;
+    for (Py_ssize_t i = 0; i < m * c->length; i++) {
+        if (r[i] < 0 || r[i] >= g->s.capacity) {
+            PyErr_Format(PyExc_ValueError, "%s: row out of range", who);
+            return -1;
+        }
+    }
+    double e0 = tree >= 0 ? g->s.tree_exponent[tree] : 0;
+    c->exponent = exponent;
+    c->maxfrac = maxfrac;
+    c->unset = unset;
+    c->tree = tree;
+    c->g0 = pow(top, e0);
+    c->scale = pow(top, exponent - e0);
+    return 0;
+}
+
+/* Start the cache misses of window `v` (one scored later) while another is scored. */
+static inline void
+prefetch_window(const PG *g, const int64_t *v, Py_ssize_t length)
+{
+    __builtin_prefetch(g->base + g->s.prio_rows_at + 8 * v[0]);
+    __builtin_prefetch(g->base + g->s.prio_rows_at + 8 * v[length - 1]);
+    __builtin_prefetch(g->base + g->s.chunks_at + (v[0] / g->s.chunk_size) * g->s.entry_bytes
+                       + g->s.entry_ticket);
+}
+
+/* Window `w`'s score; *ratio = score / the bound its proposal had (see score_ratio). */
+static inline double
+score_window(const PG *g, const Scoring *c, const int64_t *w, double *ratio)
+{
+    double hi = 0, sum = 0, bound = 0;
+    int by_tree = c->tree >= 0;
+    /* Rows run consecutively within each chunk of the window: the chunk's tag
+     * and the block are found once per chunk and stepped at block ends. */
+    int64_t lo_row = 0, hi_row = 0, block_end = 0, b = 0;
+    uint64_t tag = 0;
+    for (Py_ssize_t t = 0; t < c->length; t++) {
+        int64_t row = w[t];
+        if (row < lo_row || row >= hi_row || row != w[t - (t > 0)] + (t > 0)) {
+            int64_t chunk = row / g->s.chunk_size;
+            int64_t first = (row - chunk * g->s.chunk_size) / g->s.prio_block;
+            lo_row = chunk * g->s.chunk_size;
+            hi_row = lo_row + chunk_rows(g, chunk);
+            tag = tag_of(chunk_word(g, chunk, g->s.entry_ticket));
+            b = chunk * g->s.prio_blocks_per_chunk + first;
+            block_end = lo_row + (first + 1) * g->s.prio_block;
+            if (by_tree)
+                bound += leaf_bound(g, c->tree, b, c->g0);
+        } else if (row >= block_end) {
+            b++;
+            block_end += g->s.prio_block;
+            if (by_tree)
+                bound += leaf_bound(g, c->tree, b, c->g0);
+        }
+        uint64_t pw = atomic_load_explicit(word(g, g->s.prio_rows_at + 8 * row),
+                                           memory_order_relaxed);
+        double p = pw >> 32 == tag ? (double)f32(pw) : c->unset;
+        hi = p > hi ? p : hi;
+        sum += p;
+    }
+    double s = pow(c->maxfrac * hi + (1 - c->maxfrac) * sum / (double)c->length, c->exponent);
+    double mu = (by_tree ? bound : 1.0) * c->scale;
+    *ratio = mu > 0 ? s / mu : 0;
+    return s;
+}
+
 /*
  * score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, score, ratio)
  *
@@ -773,8 +858,8 @@ done:
  * rule; count-1 leaves weigh it in `propose` too).  ratio[i] = score /
  * bound: with a tree, bound = (sum of the tree's leaf bounds of the blocks its
  * rows lie in) * largest ** (exponent - e0), the weight `propose` gave it;
- * with -1, bound = largest ** exponent, for uniform proposals.  Accepting window i with probability ratio[i] makes
- * accepted windows follow the score.
+ * with -1, bound = largest ** exponent, for uniform proposals.  Accepting
+ * window i with probability ratio[i] makes accepted windows follow the score.
  */
 static PyObject *
 score_ratio(PyObject *self, PyObject *args)
@@ -788,65 +873,22 @@ score_ratio(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     PG g;
+    Scoring c;
     if (parse(&mm, geo, &g) < 0)
         goto done;
     Py_ssize_t m = sc.len / 8;
-    if (sc.len % 8 || ra.len != sc.len || (m > 0 && rows.len % (m * 8)) || tree < -1
-        || tree >= g.s.n_trees || !(unset >= 0) || !(top >= unset)) {
+    if (sc.len % 8 || ra.len != sc.len) {
         PyErr_SetString(PyExc_ValueError, "score_ratio: arguments do not fit");
         goto done;
     }
-    Py_ssize_t length = m ? rows.len / 8 / m : 0;
+    if (scoring_args(&g, &rows, m, exponent, maxfrac, top, unset, tree, &c, "score_ratio") < 0)
+        goto done;
     const int64_t *r = rows.buf;
-    for (Py_ssize_t i = 0; i < m * length; i++) {
-        if (r[i] < 0 || r[i] >= g.s.capacity) {
-            PyErr_SetString(PyExc_ValueError, "score_ratio: row out of range");
-            goto done;
-        }
-    }
-    int by_tree = tree >= 0;
-    double e0 = by_tree ? g.s.tree_exponent[tree] : 0;
-    double g0 = pow(top, e0), scale = pow(top, exponent - e0);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m; i++) {
-        const int64_t *w = r + i * length;
-        double hi = 0, sum = 0, bound = 0;
-        if (i + 8 < m) {   /* start the misses of a later window while this one is scored */
-            const int64_t *v = w + 8 * length;
-            __builtin_prefetch(g.base + g.s.prio_rows_at + 8 * v[0]);
-            __builtin_prefetch(g.base + g.s.prio_rows_at + 8 * v[length - 1]);
-            __builtin_prefetch(g.base + g.s.chunks_at + (v[0] / g.s.chunk_size) * g.s.entry_bytes + g.s.entry_ticket);
-        }
-        /* Rows run consecutively within each chunk of the window: the chunk's tag
-         * and the block are found once per chunk and stepped at block ends. */
-        int64_t lo_row = 0, hi_row = 0, block_end = 0, b = 0;
-        uint64_t tag = 0;
-        for (Py_ssize_t t = 0; t < length; t++) {
-            int64_t row = w[t];
-            if (row < lo_row || row >= hi_row || row != w[t - (t > 0)] + (t > 0)) {
-                int64_t chunk = row / g.s.chunk_size, first = (row - chunk * g.s.chunk_size) / g.s.prio_block;
-                lo_row = chunk * g.s.chunk_size;
-                hi_row = lo_row + chunk_rows(&g, chunk);
-                tag = tag_of(chunk_word(&g, chunk, g.s.entry_ticket));
-                b = chunk * g.s.prio_blocks_per_chunk + first;
-                block_end = lo_row + (first + 1) * g.s.prio_block;
-                if (by_tree)
-                    bound += leaf_bound(&g, tree, b, g0);
-            } else if (row >= block_end) {
-                b++;
-                block_end += g.s.prio_block;
-                if (by_tree)
-                    bound += leaf_bound(&g, tree, b, g0);
-            }
-            uint64_t pw = atomic_load_explicit(word(&g, g.s.prio_rows_at + 8 * row), memory_order_relaxed);
-            double p = pw >> 32 == tag ? (double)f32(pw) : unset;
-            hi = p > hi ? p : hi;
-            sum += p;
-        }
-        double s = pow(maxfrac * hi + (1 - maxfrac) * sum / (double)length, exponent);
-        double mu = (by_tree ? bound : 1.0) * scale;
-        ((double *)sc.buf)[i] = s;
-        ((double *)ra.buf)[i] = mu > 0 ? s / mu : 0;
+        if (i + 8 < m)
+            prefetch_window(&g, r + (i + 8) * c.length, c.length);
+        ((double *)sc.buf)[i] = score_window(&g, &c, r + i * c.length, (double *)ra.buf + i);
     }
     Py_END_ALLOW_THREADS
     result = Py_None;
@@ -856,6 +898,65 @@ done:
     PyBuffer_Release(&rows);
     PyBuffer_Release(&sc);
     PyBuffer_Release(&ra);
+    return result;
+}
+
+/*
+ * accept(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, uniforms, need,
+ *        picked) -> (accepted, scored)
+ *
+ * The acceptance step of the draw, stopped as soon as it has enough: the
+ * windows are scored in order, as score_ratio scores them, and window i is
+ * accepted where uniforms[i] (float64, one per window) < its ratio; picked[k]
+ * (int64, room for `need`) = the index of the k-th accepted window.  It stops
+ * after `need` acceptances or the last window.  The windows it picks are
+ * those that scoring every window and keeping the first `need` with
+ * uniforms[i] < ratio[i] would pick; only the windows after the last one
+ * picked go unscored.
+ */
+static PyObject *
+accept(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, rows, us, pk;
+    PyObject *geo;
+    double exponent, maxfrac, top, unset;
+    int tree;
+    Py_ssize_t need;
+    if (!PyArg_ParseTuple(args, "w*Oy*ddddiy*nw*", &mm, &geo, &rows, &exponent, &maxfrac, &top,
+                          &unset, &tree, &us, &need, &pk))
+        return NULL;
+    PyObject *result = NULL;
+    PG g;
+    Scoring c;
+    if (parse(&mm, geo, &g) < 0)
+        goto done;
+    Py_ssize_t m = us.len / 8;
+    if (us.len % 8 || need < 0 || pk.len < need * 8) {
+        PyErr_SetString(PyExc_ValueError, "accept: arguments do not fit");
+        goto done;
+    }
+    if (scoring_args(&g, &rows, m, exponent, maxfrac, top, unset, tree, &c, "accept") < 0)
+        goto done;
+    const int64_t *r = rows.buf;
+    const double *u = us.buf;
+    int64_t *picked = pk.buf;
+    Py_ssize_t i = 0, k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (; i < m && k < need; i++) {
+        if (i + 8 < m)
+            prefetch_window(&g, r + (i + 8) * c.length, c.length);
+        double ratio;
+        score_window(&g, &c, r + i * c.length, &ratio);
+        if (u[i] < ratio)
+            picked[k++] = i;
+    }
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("nn", k, i);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&rows);
+    PyBuffer_Release(&us);
+    PyBuffer_Release(&pk);
     return result;
 }
 
@@ -894,6 +995,9 @@ static PyMethodDef methods[] = {
      "propose(buffer, geometry, raw, length, tree, largest, starts)"},
     {"score_ratio", score_ratio, METH_VARARGS,
      "score_ratio(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, score, ratio)"},
+    {"accept", accept, METH_VARARGS,
+     "accept(buffer, geometry, rows, exponent, maxfrac, largest, unset, tree, uniforms, need, "
+     "picked) -> (accepted, scored)"},
     {"mass", mass, METH_VARARGS, "mass(buffer, geometry, tree, largest) -> float"},
     SHM_READ_GEOMETRY_METHOD,
     {NULL, NULL, 0, NULL},

@@ -114,6 +114,19 @@ class Priorities:
                           tree, score, ratio)
         return score, ratio
 
+    def accept(self, rows: np.ndarray, uniforms: np.ndarray, need: int, exponent: float,
+               maxfrac: float, largest: float, tree: int,
+               unset: float | None = None) -> tuple[np.ndarray, int]:
+        """(indices of the first ``need`` windows with ``uniforms[i] < ratio[i]``, how
+        many windows were scored to find them): ``score_ratio``'s acceptance, stopped
+        once it has enough; see ``_prio.accept``."""
+        picked = np.empty(need, np.int64)
+        accepted, scored = _prio.accept(self.mm, self.geometry,
+                                        np.ascontiguousarray(rows, np.int64), exponent, maxfrac,
+                                        largest, largest if unset is None else unset, tree,
+                                        np.ascontiguousarray(uniforms, np.float64), need, picked)
+        return picked[:accepted], scored
+
     # -- upkeep ----------------------------------------------------------------------
     def repair(self) -> None:
         """Recompute the whole tree from the block words (after a process died mid-update)."""

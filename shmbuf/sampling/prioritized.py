@@ -13,8 +13,9 @@ proportional to it among the windows that could start now, by rejection:
   blocks its window touches;
 - the window is located and checked by the C window pass like any other;
 - it is accepted with probability ``score / (mu * B ** (exponent - e0))``
-  (``_prio.score_ratio``), which is at most 1 because the block holding the
-  window's largest priority is among those summed.
+  (``_prio.accept``, which stops scoring once the batch has enough), which is
+  at most 1 because the block holding the window's largest priority is among
+  those summed.
 
 A never-set step counts as ``default`` (None: the largest priority ever set,
 1.0 before any); ``B`` is the larger of that and the largest ever set, so it
@@ -92,11 +93,13 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
         raw = _propose(finder, pri, rng, size, length, top, tree)
         starts = raw[raw >= 0]
         w = finder.locate(starts, length, tail, len(starts))
-        _, ratio = pri.score_ratio(w.rows, exponent, maxfrac, top, tree, unset)
-        accepted = np.flatnonzero(rng.random(len(ratio)) < ratio)
-        if round_ == 0:
-            _acceptance[key] = max(len(accepted), 1) / size
-        return w.take(accepted[:need])
+        # Scored in order until ``need`` are accepted: the windows after those are
+        # left unscored (the same picks as scoring them all and keeping the first).
+        accepted, scored = pri.accept(w.rows, rng.random(len(w.rows)), need, exponent,
+                                      maxfrac, top, tree, unset)
+        if round_ == 0:   # accepted per proposal, among the proposals scored
+            _acceptance[key] = max(len(accepted), 1) / (size * max(scored, 1) / max(len(w.rows), 1))
+        return w.take(accepted)
 
     need = in_rounds(found, n, proposed, _ROUNDS)
     if need:
