@@ -42,6 +42,7 @@
 #define MAX_TREES SHM_MAX_TREES
 #define FANOUT 16
 #define U32 0xFFFFFFFFull
+#define TOUCH 32   /* windows whose first row word is loaded before any is scored */
 
 typedef struct {
     ShmGeometry s;     /* the chunk table and the priority regions: see shmbuf_words.h */
@@ -795,14 +796,18 @@ scoring_args(const PG *g, const Py_buffer *rows, Py_ssize_t m, double exponent, 
     return 0;
 }
 
-/* Start the cache misses of window `v` (one scored later) while another is scored. */
+/* Load the first row word of the `n` windows from `v` on, one after the other: the
+ * loads are independent, so their cache and TLB misses overlap, where scoring
+ * them one at a time would wait for each in turn (a software prefetch gains
+ * less: on a TLB miss it may be dropped). */
 static inline void
-prefetch_window(const PG *g, const int64_t *v, Py_ssize_t length)
+touch_windows(const PG *g, const int64_t *v, Py_ssize_t length, Py_ssize_t n)
 {
-    __builtin_prefetch(g->base + g->s.prio_rows_at + 8 * v[0]);
-    __builtin_prefetch(g->base + g->s.prio_rows_at + 8 * v[length - 1]);
-    __builtin_prefetch(g->base + g->s.chunks_at + (v[0] / g->s.chunk_size) * g->s.entry_bytes
-                       + g->s.entry_ticket);
+    uint64_t sink = 0;
+    for (Py_ssize_t j = 0; j < n; j++)
+        sink += atomic_load_explicit(word(g, g->s.prio_rows_at + 8 * v[j * length]),
+                                     memory_order_relaxed);
+    __asm__ volatile("" : : "r"(sink));   /* the loads are kept */
 }
 
 /* Window `w`'s score; *ratio = score / the bound its proposal had (see score_ratio). */
@@ -886,8 +891,8 @@ score_ratio(PyObject *self, PyObject *args)
     const int64_t *r = rows.buf;
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < m; i++) {
-        if (i + 8 < m)
-            prefetch_window(&g, r + (i + 8) * c.length, c.length);
+        if (i % TOUCH == 0)
+            touch_windows(&g, r + i * c.length, c.length, m - i < TOUCH ? m - i : TOUCH);
         ((double *)sc.buf)[i] = score_window(&g, &c, r + i * c.length, (double *)ra.buf + i);
     }
     Py_END_ALLOW_THREADS
@@ -943,8 +948,8 @@ accept(PyObject *self, PyObject *args)
     Py_ssize_t i = 0, k = 0;
     Py_BEGIN_ALLOW_THREADS
     for (; i < m && k < need; i++) {
-        if (i + 8 < m)
-            prefetch_window(&g, r + (i + 8) * c.length, c.length);
+        if (i % TOUCH == 0)
+            touch_windows(&g, r + i * c.length, c.length, m - i < TOUCH ? m - i : TOUCH);
         double ratio;
         score_window(&g, &c, r + i * c.length, &ratio);
         if (u[i] < ratio)
