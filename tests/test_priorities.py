@@ -262,8 +262,12 @@ def test_acceptance_stops_at_enough_with_the_picks_scoring_every_window_makes(tr
                               else 0 if need == 0 else len(w.rows))
         with pytest.raises(ValueError, match="accept: arguments do not fit"):
             pri.accept(w.rows, u[:-1], 5, 0.8, 0.5, top, tree)
-        with pytest.raises(ValueError, match="accept: row out of range"):
-            pri.accept(np.full((2, 8), buf.capacity), u[:2], 1, 0.8, 0.5, top, tree)
+        for bad in (buf.capacity, -1, 1 << 50):   # refused, and never read
+            rows = np.full((40, 8), bad)
+            with pytest.raises(ValueError, match="accept: row out of range"):
+                pri.accept(rows, u[:40], 1, 0.8, 0.5, top, tree)
+            with pytest.raises(ValueError, match="score_ratio: row out of range"):
+                pri.score_ratio(rows, 0.8, 0.5, top, tree)
 
 
 @pytest.mark.slow
