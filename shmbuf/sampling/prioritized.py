@@ -83,13 +83,16 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
     tree = pri.tree_for(exponent)
     found: list[Windows] = []
     key = (length, tail, exponent, maxfrac)
-    rate = _acceptance.get(key, 0.25)
+    rate = min(max(_acceptance.get(key, 0.25), 0.01), 1.0)
 
     def proposed(round_, need):
-        # Sized by the acceptance seen last time in this process (a guess only: the
-        # proposals are independent whatever their number), with room to spare so
-        # that one round usually does, and growing 4x per round after it.
-        size = min(int(need / max(rate, 0.01) * 1.5 + 16) << 2 * round_, _MAX_PROPOSALS)
+        # Sized by the acceptance seen in this process (a guess only: the proposals
+        # are independent whatever their number), with three standard deviations of
+        # the accepted count to spare so that one round nearly always does, and
+        # growing 4x per round after it.  Proposals past the last one accepted cost
+        # their locating, not their scoring.
+        spare = 3 * (need * (1 - rate)) ** 0.5
+        size = min(int((need + spare) / rate + 16) << 2 * round_, _MAX_PROPOSALS)
         raw = _propose(finder, pri, rng, size, length, top, tree)
         starts = raw[raw >= 0]
         w = finder.locate(starts, length, tail, len(starts))
@@ -97,8 +100,12 @@ def draw(finder, rng, n: int, length: int, tail: int, exponent: float, maxfrac: 
         # left unscored (the same picks as scoring them all and keeping the first).
         accepted, scored = pri.accept(w.rows, rng.random(len(w.rows)), need, exponent,
                                       maxfrac, top, tree, unset)
-        if round_ == 0:   # accepted per proposal, among the proposals scored
-            _acceptance[key] = max(len(accepted), 1) / (size * max(scored, 1) / max(len(w.rows), 1))
+        if round_ == 0:   # accepted per proposal, among those scored; averaged over draws
+            hits, tries = len(accepted), scored
+            if hits == need > 1:   # stopped on a hit: (hits - 1) / (tries - 1) is unbiased
+                hits, tries = hits - 1, tries - 1
+            seen = max(hits, 1) / max(tries, 1) * len(w.rows) / size
+            _acceptance[key] = seen if key not in _acceptance else 0.75 * rate + 0.25 * seen
         return w.take(accepted)
 
     need = in_rounds(found, n, proposed, _ROUNDS)
