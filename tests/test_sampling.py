@@ -421,6 +421,60 @@ def test_out_torch_filled_in_place(filled, time_major):
     verify_batch({k: v.numpy() for k, v in out.items()}, time_major=time_major)
 
 
+@pytest.mark.parametrize("time_major", [True, False])
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_windows_in_one_chunk_and_across_chunks_gather_their_rows(make_buffer, time_major,
+                                                                  kind):
+    # Two writers in turn: a window that leaves its chunk continues in a chunk that is
+    # not the next one physically.  Windows inside one chunk are copied as one slice per
+    # column, the others row by row: both must land exactly where a fancy index puts
+    # them, for the whole batch and for a redraw of some of its places.
+    from shmbuf.sampling import gather
+    from shmbuf.sampling.out import prepare_out
+
+    buf = make_buffer(SPEC, 128, chunk_size=8)
+    with buf.writer() as w0, buf.writer() as w1:
+        for pos in range(60):
+            for i, w in enumerate((w0, w1)):
+                w.add(**step_for(i, pos, 0, pos, False))
+    port, length = buf.port, 5
+    win = port.locate(np.arange(0, 120, 3), length)
+    rows = win.rows
+    one_chunk = rows[:, 0] // 8 == rows[:, -1] // 8
+    assert one_chunk.any() and (~one_chunk).any() and len(rows) >= 12
+    batch = len(rows)
+    lead = (length, batch) if time_major else (batch, length)
+    spec = {k: (shape, np.dtype(d)) for k, (shape, d) in SPEC.items()}
+    for pending in (np.arange(batch), np.array([1, 4, 5, 9])):
+        out = (_numpy_out(lead) if kind == "numpy" else _torch_out(lead))
+        targets = prepare_out(out, spec, lead)
+        picked = win.take(np.arange(len(pending)))
+        gather.gather(port, picked, pending, targets, time_major, batch)
+        for k in SPEC:
+            want = np.full(lead + spec[k][0], 7, spec[k][1])
+            got = out[k] if kind == "numpy" else out[k].numpy()
+            taken = buf.arrays[k][picked.rows]              # (n, L, ...)
+            if time_major:
+                want[:, pending] = np.swapaxes(taken, 0, 1)
+            else:
+                want[pending] = taken
+            np.testing.assert_array_equal(got, want, err_msg=f"{k} pending={pending}")
+
+
+def test_copy_rows_refuses_rows_or_places_outside_its_buffers():
+    from shmbuf.protocol import _window_check
+
+    src, dst = np.arange(40, dtype=np.uint8), np.zeros(8, np.uint8)
+    at = np.zeros(1, np.int64)
+    _window_check.copy_rows(src, dst, np.array([[36, 37, 38, 39]]), at, 1, 4, 1)
+    assert dst[:4].tolist() == [36, 37, 38, 39]
+    for rows, place in (([[37, 38, 39, 40]], 0), ([[-1, 0, 1, 2]], 0), ([[0, 1, 2, 3]], 2),
+                        ([[0, 1, 2, 3]], -1)):
+        with pytest.raises(ValueError, match="copy_rows: a (row|window) lies outside"):
+            _window_check.copy_rows(src, dst, np.array(rows), np.array([place]), 1, 4, 1)
+    assert dst.tolist() == [36, 37, 38, 39, 0, 0, 0, 0]   # nothing was copied
+
+
 def test_out_with_wrong_shape_is_rejected(filled):
     out = _numpy_out((5, 7))
     with pytest.raises(ValueError):

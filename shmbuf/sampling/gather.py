@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._errors import SampleRetryError
+from ..protocol import _window_check
 
 MAX_REDRAWS = 64
 
@@ -55,10 +56,15 @@ def gather(port, windows, pending, targets, time_major, batch_size) -> None:
 
 def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=None) -> None:
     """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
-    the rows as laid out in the batch) where some chunks are packed."""
+    the rows as laid out in the batch) where some chunks are packed.  Raw rows going to
+    a host array are copied by ``_window_check.copy_rows``: a window that lies in one
+    chunk is one slice copy per column, not a fancy-index gather."""
     idx = np.ascontiguousarray(rows.T) if time_major else rows
     everything = len(pending) == batch_size
     unpack, views = port.unpacker, port.views
+    if flags is None:
+        rows = np.ascontiguousarray(rows, np.int64)
+        at = np.ascontiguousarray(pending, np.int64)
     for name, target in targets.items():
         if name == "ids":   # read with the rows, checked by the same seqs after
             ids = port.step_ids(idx)
@@ -74,7 +80,9 @@ def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=Non
                 unpack.take(name, src, idx, flags, out=target.array)
             else:
                 target.put(unpack.take(name, src, idx, flags), pending, time_major)
-        elif everything and target.array is not None:
-            np.take(src, idx, axis=0, out=target.array, mode="clip")
-        else:
+        elif target.array is not None:
+            strides = target.array.strides   # (L, B, ...) time-major, else (B, L, ...)
+            window, row = (strides[1], strides[0]) if time_major else strides[:2]
+            _window_check.copy_rows(src, target.array, rows, at, src.strides[0], window, row)
+        else:   # a tensor off the CPU
             target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
