@@ -475,6 +475,15 @@ def test_copy_rows_refuses_rows_or_places_outside_its_buffers():
     assert dst.tolist() == [36, 37, 38, 39, 0, 0, 0, 0]   # nothing was copied
 
 
+def test_step_ids_refuse_rows_outside_the_buffer(filled):
+    rows = np.array([[0, 7], [8, 127]])
+    ids = filled.port.step_ids(rows)
+    assert ids.shape == (2, 2) and ids[0, 1] - ids[0, 0] == 7 and ids[1, 0] % 8 == 0
+    for bad in (128, -1, 1 << 50):
+        with pytest.raises(ValueError, match="step_ids: row out of range"):
+            filled.port.step_ids(np.array([3, bad]))
+
+
 def test_out_with_wrong_shape_is_rejected(filled):
     out = _numpy_out((5, 7))
     with pytest.raises(ValueError):

@@ -15,6 +15,8 @@ from .._errors import NotEnoughDataError
 from ..sampling.windows import joined
 from . import _embodied_draw as draw
 
+_UNIFORM = core.Uniform()   # stateless: one for every draw
+
 
 def _seed(owner: str, seed) -> int:
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -49,7 +51,7 @@ class Uniform(Selector):
         self.seed = _seed("Uniform", seed)
 
     def pick(self, items, rng, n):
-        return items.core(core.Uniform(), rng, n)
+        return items.core(_UNIFORM, rng, n)
 
     def __repr__(self):
         return f"Uniform(seed={self.seed})"
@@ -175,7 +177,7 @@ class Prioritized(Selector):
                 w = items.core(core.Prioritized(exponent=1.0, maxfrac=self.maxfrac,
                                                 default=1.0), rng, n)
             except NotEnoughDataError:   # every score is 0: uniform, as upstream's tree
-                w = items.core(core.Uniform(), rng, n)
+                w = items.core(_UNIFORM, rng, n)
         if self.zero_on_sample:   # as upstream, when the item is selected (in a Mixture too)
             items.zero(w)
         return w

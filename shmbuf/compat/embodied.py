@@ -674,21 +674,30 @@ def _schema_of_spec(spec) -> list:
     return out
 
 
+# A stepid's 20 bytes: the store's step id (its buffer's tag included), zeros.
+_STEPID = np.dtype([("id", "<i8"), ("zero", "V12")])
+
+
 def _stepids(ids: np.ndarray) -> np.ndarray:
     """``(B, T, 20)`` uint8: the store's step id (8 bytes, its buffer's tag included), zeros."""
-    out = np.zeros(ids.shape + (20,), np.uint8)
-    out[..., :8] = ids.astype("<i8")[..., None].view(np.uint8)
-    return out
+    out = np.zeros(ids.shape, _STEPID)
+    out["id"] = ids
+    return out.view(np.uint8).reshape(ids.shape + (20,))
 
 
 def _annotated(data: dict) -> dict:
+    """``is_first`` set at position 0 and ``is_last`` before every later ``is_first``,
+    in place: the arrays are the batch's own."""
     if "is_first" in data:
-        first = data["is_first"].copy()
+        first = data["is_first"]
         first[:, 0] = True
-        data["is_first"] = first
         if "is_last" in data:
-            following = np.zeros_like(first)
-            following[:, :-1] = first[:, 1:]
-            data["is_last"] = data["is_last"] | following
+            last = data["is_last"]
+            if last.dtype == first.dtype:
+                last[:, :-1] |= first[:, 1:]
+            else:
+                following = np.zeros_like(first)
+                following[:, :-1] = first[:, 1:]
+                data["is_last"] = last | following
     return data
 

@@ -522,6 +522,49 @@ done:
     return result;
 }
 
+/*
+ * step_ids(buffer, geometry, rows, out)
+ *
+ * out[i] (int64) = the id of the step at physical rows[i] (int64, same
+ * length): its chunk's ticket (loaded with acquire) * chunk_size + its offset
+ * in the chunk.  Like the rows read with them, the ids are judged by the
+ * windows' seqlock re-check after (`unchanged`).
+ */
+static PyObject *
+step_ids(PyObject *self, PyObject *args)
+{
+    Py_buffer mm, rw, out;
+    PyObject *geo;
+    if (!PyArg_ParseTuple(args, "w*Oy*w*", &mm, &geo, &rw, &out))
+        return NULL;
+    PyObject *result = NULL;
+    Geometry g;
+    if (get_geometry(&mm, geo, Py_None, &g) < 0)
+        goto done;
+    Py_ssize_t n = rw.len / 8;
+    if (rw.len % 8 || out.len != rw.len) {
+        PyErr_SetString(PyExc_ValueError, "step_ids: rows and out must be int64 of one length");
+        goto done;
+    }
+    const int64_t *r = rw.buf;
+    int64_t *o = out.buf, k = g.s.chunk_size;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (r[i] < 0 || r[i] >= g.s.capacity) {
+            PyErr_SetString(PyExc_ValueError, "step_ids: row out of range");
+            goto done;
+        }
+        int64_t chunk = r[i] / k;
+        o[i] = (int64_t)chunk_word(&g, chunk, g.s.entry_ticket) * k + (r[i] - chunk * k);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    PyBuffer_Release(&mm);
+    PyBuffer_Release(&rw);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS,
      "find(buffer, geometry, starts, span, length, tail, need, max_hops, picked, rows, "
@@ -530,6 +573,7 @@ static PyMethodDef methods[] = {
      "unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)"},
     {"seek", seek, METH_VARARGS,
      "seek(buffer, geometry, chunks, seqs, offsets, advances, rows, preempt=None)"},
+    {"step_ids", step_ids, METH_VARARGS, "step_ids(buffer, geometry, rows, out)"},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(src, dst, rows, at, row_bytes, window_stride, row_stride)"},
     SHM_READ_GEOMETRY_METHOD,

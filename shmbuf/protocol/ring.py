@@ -36,6 +36,7 @@ from .._errors import NoFreeChunkError, NoFreeWriterSlotError, SharedMemoryFullE
 from ..posix.procs import is_alive, my_start_time
 from ..posix.space import Space
 from . import _atomic as atomic
+from . import _window_check
 from .geometry import geometry_of
 from .geometry import pack as pack_geometry
 from .header import ClosedMark, StopMark, closed_word
@@ -677,11 +678,10 @@ class Ring:
         offset``.  Tickets only grow, so an id never names another step; it is
         stale once its chunk's ticket changed (or the chunk is being recycled).
         """
-        k = self.layout.chunk_size
-        chunk = rows // k
-        tickets = self.chunk_table[chunk, _TICKET].view(np.int64)
-        atomic.fence_acquire()
-        return tickets * k + (rows - chunk * k)
+        rows = np.ascontiguousarray(rows, np.int64)
+        out = np.empty(rows.shape, np.int64)
+        _window_check.step_ids(self.mm, self.geometry, rows, out)   # tickets with acquire
+        return out
 
     def held_rows(self, ids: np.ndarray):
         """``(rows, held, chunk, state)`` of the flat int64 ``ids`` now: the row each id
