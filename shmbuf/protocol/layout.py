@@ -61,6 +61,7 @@ attacher that sees it sees the whole header.  Only the modules of
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import keyword
 import math
@@ -278,10 +279,15 @@ class Layout:
                 return col
         raise KeyError(name)
 
-    @property
+    @functools.cached_property   # a frozen Layout: worked out once (every sample asks)
     def user_columns(self) -> tuple[Column, ...]:
         return tuple(c for c in self.columns if c.name not in INTERNAL_COLUMNS
                      and c.name != PRIORITY_COLUMN)
+
+    @functools.cached_property
+    def user_row_bytes(self) -> int:
+        """Bytes of one step of the user's columns."""
+        return sum(c.row_bytes for c in self.user_columns)
 
     def spec(self) -> dict:
         """``{column: (shape, dtype)}`` of the user's columns, as given to ``create``."""

@@ -146,7 +146,7 @@ class Reads(BufferState):
     def _check_batch_memory(self, batch_size: int, length: int) -> None:
         """Refuse a batch larger than the memory available, before anything is allocated
         (a batch of at least ``MEMORY_CHECK_FLOOR`` bytes: smaller ones are not checked)."""
-        need = batch_size * length * sum(c.row_bytes for c in self._layout.user_columns)
+        need = batch_size * length * self._layout.user_row_bytes
         if need < MEMORY_CHECK_FLOOR:
             return
         have = available_bytes()
