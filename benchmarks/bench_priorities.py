@@ -2,6 +2,18 @@
 
     python benchmarks/bench_priorities.py            # about 2 minutes on 2 cores
     python benchmarks/bench_priorities.py --quick    # 10^6 instead of 10^7 steps
+    python benchmarks/bench_priorities.py --against REV [--quick]   # this install vs REV
+
+``--against REV`` builds revision REV in a temporary git worktree
+(``build_ext --inplace``) and runs the same draw in two long-lived processes,
+one importing that checkout and one this install, alternating them in every
+round, so that a regression shows as a ratio (this / REV) in one run.  The
+workload: 50 windows of 50 chosen with ``Prioritized(exponent=0.8,
+maxfrac=0.5)`` among 10^4 and 10^7 held steps of a 17-byte row (obs uint8
+(16,), done), every priority set; ``draw`` is the choice alone (the private
+draw function, found under whichever name the revision has), ``sample`` the
+public ``sample_sequences(50, 50, select=...)``.  The temporary checkout is
+removed at the end.
 
 Rows (each figure the median of its repetitions, min-max in brackets; the two
 sides of a ratio alternate, and the ratio is the median of the pairs' ratios):
@@ -25,10 +37,14 @@ average before and after.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -265,13 +281,170 @@ def bench_cpprb(n: int) -> None:
             f"{statistics.median(ratio):9.2f}x [{min(ratio):.2f}-{max(ratio):.2f}]")
 
 
+# -- --against REV: this install and a revision's checkout, alternating ---------------------
+# Runs in a process whose shmbuf is either side's: only what both have, found by probing
+# (the private draw moved between revisions), or the public API.
+AGAINST_WORKER = r'''
+import json, statistics, sys, time
+import numpy as np
+import shmbuf
+from shmbuf.select import Prioritized
+
+SPEC = {"obs": ((16,), np.uint8), "done": ((), np.bool_)}   # a 17-byte row
+EPISODE, EXPONENT, MAXFRAC = 500, 0.8, 0.5
+
+def private_draw():
+    for name in ("shmbuf.sampling.prioritized", "shmbuf._prioritized"):
+        try:
+            return __import__(name, fromlist=["draw"]).draw
+        except ImportError:
+            pass
+    return None
+
+def finder_of(buf):
+    port = getattr(buf, "port", None)
+    return port.finder if port is not None else getattr(buf, "_finder", None)
+
+def ids_of(buf, rows):
+    port = getattr(buf, "port", None)
+    if port is not None:
+        return port.step_ids(rows)
+    ring = buf._ring
+    return ring.step_ids(rows) if hasattr(ring, "step_ids") else ring.priorities.ids(rows)
+
+def fill(buf, steps):
+    rng = np.random.default_rng(0)
+    run = {k: np.zeros((EPISODE,) + s, d) for k, (s, d) in SPEC.items()}
+    run["done"][-1] = True
+    with buf.writer() as w:
+        for _ in range(steps // EPISODE):
+            w.extend(**run)
+    ids = ids_of(buf, buf.committed_rows())
+    for at in range(0, len(ids), 1 << 20):
+        part = ids[at:at + (1 << 20)]
+        buf.update_priorities(part, rng.lognormal(0, 1, len(part)).astype(np.float32))
+
+sizes = [int(n) for n in sys.argv[1].split(",")]
+bufs = {}
+try:
+    for n in sizes:
+        bufs[n] = shmbuf.create(SPEC, n, seed=0, priorities=True)
+        fill(bufs[n], n)
+    rng, select = np.random.default_rng(1), Prioritized(exponent=EXPONENT, maxfrac=MAXFRAC)
+    draw = private_draw()
+    calls = {}
+    for n, buf in bufs.items():
+        finder = finder_of(buf)
+        if draw is not None and finder is not None:
+            calls[("draw", n)] = (lambda d=draw, f=finder:
+                                  d(f, rng, 50, 50, 0, EXPONENT, MAXFRAC))
+        calls[("sample", n)] = lambda b=buf: b.sample_sequences(50, 50, select=select)
+    for call in calls.values():
+        call()
+    print(json.dumps({"ready": shmbuf.__file__}), flush=True)
+    for line in sys.stdin:
+        inner = int(line)
+        out = {}
+        for (what, n), call in calls.items():
+            times = []
+            for _ in range(inner):
+                t = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t)
+            out[f"{what} {n:.0e}"] = statistics.median(times)
+        print(json.dumps(out), flush=True)
+finally:
+    for buf in bufs.values():
+        buf.close()
+'''
+
+
+def _start_worker(tree: Path, sizes: str):
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.Popen([sys.executable, "-c", AGAINST_WORKER, sizes], env=env,
+                            cwd=tempfile.gettempdir(), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    return proc
+
+
+def _ask(proc, inner: int) -> dict:
+    proc.stdin.write(f"{inner}\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise RuntimeError("a worker of --against ended early (its stderr is above)")
+    return json.loads(line)
+
+
+def against(rev: str, big: int, rounds: int = 15, inner: int = 20) -> None:
+    """Time the draw in this install and in revision ``rev``'s checkout, alternating."""
+    # benchmarks/versus.py builds a revision in place in a temporary worktree.
+    from versus import ROOT, build
+
+    this = Path(shmbuf.__file__).resolve().parent.parent
+    sizes = f"10000,{big}"
+    with tempfile.TemporaryDirectory(prefix="shmbuf-against-") as tmp:
+        tree, procs = None, {}
+        try:
+            tree = build(rev, Path(tmp))
+            procs = {"this": _start_worker(this, sizes), rev: _start_worker(tree, sizes)}
+            for side, proc in procs.items():
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"the {side} worker failed to start")
+                print(f"{side}: {json.loads(line)['ready']}", flush=True)
+            runs: dict = {side: [] for side in procs}
+            for r in range(rounds):
+                order = list(procs) if r % 2 == 0 else list(procs)[::-1]
+                for side in order:
+                    runs[side].append(_ask(procs[side], inner))
+        finally:
+            for proc in procs.values():
+                if proc.stdin:
+                    proc.stdin.close()
+                try:
+                    proc.wait(timeout=120)
+                except Exception:   # noqa: BLE001 - killed below, whatever went wrong
+                    proc.kill()
+                    proc.wait(10)
+            if tree is not None and tree.parent == Path(tmp):
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                                str(tree)], capture_output=True)
+    print(f"Prioritized draw, 50 windows of 50, 17-byte rows: this install against {rev}; "
+          f"{rounds} alternating rounds of {inner} calls (median per round)")
+    print(f"{'case':<16} {'this':<30} {rev:<30} {'this / ' + rev}")
+    mine, theirs = runs["this"], runs[rev]
+    for case in mine[0]:
+        if case not in theirs[0]:
+            print(f"{case:<16} {fmt([m[case] for m in mine]):<30} (not in {rev})")
+            continue
+        a, b = [m[case] for m in mine], [t[case] for t in theirs]
+        ratio = [x / y for x, y in zip(a, b)]
+        print(f"{case:<16} {fmt(a):<30} {fmt(b):<30} {statistics.median(ratio):6.2f}x "
+              f"[{min(ratio):.2f}-{max(ratio):.2f}]")
+    for what in ("draw", "sample"):
+        hi, lo = f"{what} {big:.0e}", f"{what} {10_000:.0e}"
+        for side, rows in (("this", mine), (rev, theirs)):
+            if hi in rows[0]:
+                growth = [r[hi] / r[lo] for r in rows]
+                print(f"{what} growth {big:.0e} / 1e+04, {side}: "
+                      f"{statistics.median(growth):.2f}x [{min(growth):.2f}-{max(growth):.2f}]"
+                      "   target <= 4x")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10^6 steps instead of 10^7")
+    ap.add_argument("--against", metavar="REV",
+                    help="time the draw of this install against git revision REV, alternating")
     args = ap.parse_args(argv)
     big = 10 ** 6 if args.quick else 10 ** 7
     print(f"load average before: {os.getloadavg()}; shmbuf {shmbuf.__file__}; "
           f"select= {'yes' if _select() is not None else 'no (private draw path)'}")
+    if args.against:
+        against(args.against, big)
+        print(f"load average after: {os.getloadavg()}")
+        return
     bench_draw(big)
     bench_add()
     bench_w1_batch(20_000 if args.quick else 100_000)
