@@ -117,6 +117,26 @@ def test_items_cross_episodes_and_annotation(make):
         assert (last == want_last).all()
 
 
+@pytest.mark.parametrize("last_dtype", [np.bool_, np.uint8])
+def test_is_last_is_set_before_every_later_is_first_of_an_item(make, last_dtype):
+    # No step is stored with is_last: the item's own is_last marks the step before
+    # each is_first after its first step, as upstream's (and the flags stored stay).
+    r = make(4, 100)
+    firsts = [t % 3 == 0 for t in range(12)]
+    for t, first in enumerate(firsts):
+        r.add({"step": t, "is_first": first, "is_last": last_dtype(t == 7)})
+    data, again = r.sample(64), r.sample(64)
+    for batch in (data, again):
+        assert batch["is_last"].dtype == np.dtype(last_dtype)
+        for steps, first, last in zip(batch["step"], batch["is_first"], batch["is_last"]):
+            want_first = np.array([firsts[t] for t in steps])
+            want_first[0] = True
+            assert (first == want_first).all()
+            want_last = np.array([t == 7 for t in steps])
+            want_last[:-1] |= want_first[1:]
+            assert (last.astype(bool) == want_last).all(), (steps, last)
+
+
 def test_stats_keys_and_reset_on_read(make):
     r = make(3, 50)
     fill(r, 10)
