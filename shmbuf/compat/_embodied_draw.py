@@ -178,8 +178,16 @@ class Draw:
             found.append(w)
             need -= len(w.rows)
         # Drawn windows of evicted items are dropped: ask for more as rounds fail.
-        need = in_rounds(found, need, lambda round_, need: self.items.keep_live(
-            self.selector.pick(self.items, rng, need << min(2 * round_, 12))), _ROUNDS)
+        def picked(round_, need):
+            return self.items.keep_live(
+                self.selector.pick(self.items, rng, need << min(2 * round_, 12)))
+
+        if need:
+            first = picked(0, need)
+            if not found and len(first.rows) == need:
+                return first   # the usual case: round 0 found them all (as in_rounds would)
+            need = in_rounds(found, need, lambda round_, need: (
+                first if round_ == 0 else picked(round_, need)), _ROUNDS)
         return enough(found, need, n, f"live items of length {length}")
 
 

@@ -34,11 +34,11 @@ def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets
     pending = np.arange(batch_size)
     for _ in range(MAX_REDRAWS):
         gather(port, windows, pending, targets, time_major, batch_size)
-        stale = ~finder.still_valid(windows)
-        if not stale.any():
+        fresh = finder.still_valid(windows)
+        if fresh.all():
             port.count_sample(batch_size * length)
             return {k: t.result for k, t in targets.items()}
-        pending = pending[stale]
+        pending = pending[~fresh]
         windows = selector.draw(finder, rng, len(pending), length, tail)
     raise SampleRetryError(
         f"writers recycled sampled chunks {MAX_REDRAWS} times in a row; the buffer "

@@ -128,7 +128,11 @@ class WindowFinder:
             raw = rng.bit_generator.random_raw(min(m << 2 * round_, cap))
             return self.locate(raw, length, tail, need, span)
 
-        need = in_rounds(found, batch, proposed, _ROUNDS)
+        first = proposed(0, batch)
+        if first is not None and len(first.rows) == batch:
+            return first   # the usual case: round 0 found them all (as in_rounds would)
+        need = in_rounds(found, batch, lambda round_, need: (
+            first if round_ == 0 else proposed(round_, need)), _ROUNDS)
         need = in_rounds(found, need, lambda _, need: self.locate(
             self._valid_starts(rng, need, length, tail), length, tail, need), _ROUNDS)
         return enough(found, need, batch, f"windows of length {length}")
