@@ -25,6 +25,12 @@ setup(
             extra_compile_args=["-std=c11", "-O2"],
         ),
         Extension(
+            "shmbuf.protocol._rows",
+            sources=["shmbuf/protocol/_rows.c"],
+            depends=PROTOCOL_HEADERS,
+            extra_compile_args=["-std=c11", "-O2"],
+        ),
+        Extension(
             "shmbuf.protocol._prio",
             sources=["shmbuf/protocol/_prio.c"],
             depends=PROTOCOL_HEADERS,

@@ -5,11 +5,11 @@ import struct
 import numpy as np
 import pytest
 
-from shmbuf.protocol import _atomic, _prio, _window_check
+from shmbuf.protocol import _atomic, _prio, _rows, _window_check
 from shmbuf.protocol import layout as L
 from shmbuf.protocol.geometry import geometry_of, pack
 
-EXTENSIONS = (_atomic, _window_check, _prio)
+EXTENSIONS = (_atomic, _window_check, _prio, _rows)
 
 
 def _layout(priorities=False):

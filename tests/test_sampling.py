@@ -462,16 +462,16 @@ def test_windows_in_one_chunk_and_across_chunks_gather_their_rows(make_buffer, t
 
 
 def test_copy_rows_refuses_rows_or_places_outside_its_buffers():
-    from shmbuf.protocol import _window_check
+    from shmbuf.protocol import _rows
 
     src, dst = np.arange(40, dtype=np.uint8), np.zeros(8, np.uint8)
     at = np.zeros(1, np.int64)
-    _window_check.copy_rows(src, dst, np.array([[36, 37, 38, 39]]), at, 1, 4, 1)
+    _rows.copy_rows(src, dst, np.array([[36, 37, 38, 39]]), at, 1, 4, 1)
     assert dst[:4].tolist() == [36, 37, 38, 39]
     for rows, place in (([[37, 38, 39, 40]], 0), ([[-1, 0, 1, 2]], 0), ([[0, 1, 2, 3]], 2),
                         ([[0, 1, 2, 3]], -1)):
         with pytest.raises(ValueError, match="copy_rows: a (row|window) lies outside"):
-            _window_check.copy_rows(src, dst, np.array(rows), np.array([place]), 1, 4, 1)
+            _rows.copy_rows(src, dst, np.array(rows), np.array([place]), 1, 4, 1)
     assert dst.tolist() == [36, 37, 38, 39, 0, 0, 0, 0]   # nothing was copied
 
 

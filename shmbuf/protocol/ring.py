@@ -36,7 +36,7 @@ from .._errors import NoFreeChunkError, NoFreeWriterSlotError, SharedMemoryFullE
 from ..posix.procs import is_alive, my_start_time
 from ..posix.space import Space
 from . import _atomic as atomic
-from . import _window_check
+from . import _rows
 from .geometry import geometry_of
 from .geometry import pack as pack_geometry
 from .header import ClosedMark, StopMark, closed_word
@@ -680,7 +680,7 @@ class Ring:
         """
         rows = np.ascontiguousarray(rows, np.int64)
         out = np.empty(rows.shape, np.int64)
-        _window_check.step_ids(self.mm, self.geometry, rows, out)   # tickets with acquire
+        _rows.step_ids(self.mm, self.geometry, rows, out)   # tickets with acquire
         return out
 
     def held_rows(self, ids: np.ndarray):

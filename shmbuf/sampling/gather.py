@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .._errors import SampleRetryError
-from ..protocol import _window_check
+from ..protocol import _rows
 
 MAX_REDRAWS = 64
 # Time-major, each row of a window goes to its own place in the batch: rows smaller
@@ -61,7 +61,7 @@ def gather(port, windows, pending, targets, time_major, batch_size) -> None:
 def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=None) -> None:
     """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
     the rows as laid out in the batch) where some chunks are packed.  Raw rows going to
-    a host array are copied by ``_window_check.copy_rows``: a window that lies in one
+    a host array are copied by ``_rows.copy_rows``: a window that lies in one
     chunk is one slice copy per column (batch-major), not a fancy-index gather;
     time-major, rows under ``_ROW_COPY`` bytes are fancy-indexed."""
     idx = np.ascontiguousarray(rows.T) if time_major else rows
@@ -88,7 +88,7 @@ def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=Non
         elif target.array is not None and (not time_major or src.strides[0] >= _ROW_COPY):
             strides = target.array.strides   # (L, B, ...) time-major, else (B, L, ...)
             window, row = (strides[1], strides[0]) if time_major else strides[:2]
-            _window_check.copy_rows(src, target.array, rows, at, src.strides[0], window, row)
+            _rows.copy_rows(src, target.array, rows, at, src.strides[0], window, row)
         elif everything and target.array is not None:
             np.take(src, idx, axis=0, out=target.array, mode="clip")
         else:
