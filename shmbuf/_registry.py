@@ -13,7 +13,12 @@ A registered class opens an attached segment with the classmethod
 """
 from __future__ import annotations
 
+import importlib
+
 _CLASSES: dict[str, type] = {}
+# Classes in modules that import optional packages (torch, torchrl): their
+# module is imported at the first lookup, so ``import shmbuf`` stays light.
+_LAZY: dict[str, str] = {}
 
 
 def register(cls: type, name: str | None = None) -> type:
@@ -25,6 +30,18 @@ def register(cls: type, name: str | None = None) -> type:
     return cls
 
 
+def register_lazy(name: str, module: str) -> None:
+    """Buffers recorded as made by ``name`` open as a class that ``module`` registers;
+    the module is imported at the first lookup of ``name``."""
+    _LAZY[name] = module
+
+
 def class_for(name: str) -> type | None:
-    """The class registered under ``name``, or None."""
+    """The class registered under ``name``, or None (also when the module that registers
+    it cannot be imported here: its optional dependencies are missing)."""
+    if name not in _CLASSES and name in _LAZY:
+        try:
+            importlib.import_module(_LAZY[name])
+        except ImportError:
+            return None
     return _CLASSES.get(name)

@@ -1,0 +1,506 @@
+"""``LazyShmStorage``: TorchRL's ``LazyTensorStorage`` with its tensors in a shmbuf segment.
+
+The storage is TorchRL's own ``LazyTensorStorage`` (every index, slice,
+tensorclass, pytree and ``ndim`` rule is TorchRL's code), but its
+``_storage`` is rebuilt from zero-copy views of a shmbuf buffer's columns
+(``_schema.build``), and everything TorchRL keeps per process (the length,
+the last cursor, the mutation revision) lives in the control block
+(``_control``), so every process that holds the storage sees the same data.
+
+Two modes, fixed by the first write (see the guide):
+
+- indexed: TorchRL's writers call ``set(cursor, data)``; rows are written in
+  place, as in ``LazyTensorStorage``, and ``len`` is TorchRL's count.
+- streams: ``ShmWriter`` appends through shmbuf writers, one lock-free
+  stream per process; a storage index is still a row, ``len`` is the steps
+  held, and ``storage[:]`` reads exactly the rows that hold a step.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import numpy as np
+import torch
+from tensordict import is_tensor_collection
+from torch.utils._pytree import tree_map
+from torchrl.data.replay_buffers.storages import LazyTensorStorage
+
+from ..._args import check_int
+from ..._errors import CorruptSegmentError, SegmentExistsError
+from ..._registry import register
+from ...store import buffer as store
+from ...writing.compress import Compress
+from . import _control, _doors, _schema
+from ._control import CURSOR, GEN, INDEXED, LEN, MODE, NONE, READY, STREAMS, Control
+
+
+def _check_device(device):
+    if isinstance(device, str) and device == "auto":
+        return "auto"
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device: {device!r} is not a torch device ({exc}); pass 'cpu', "
+                         "'cuda', 'cuda:N' or 'auto'") from None
+
+
+def _check_compress(compress) -> dict | None:
+    if compress is None:
+        return None
+    if not isinstance(compress, Compress):
+        raise TypeError(f"compress must be None or a shmbuf.Compress naming keys of the data, "
+                        f"got {compress!r}")
+    return {"columns": list(compress.columns), "codec": compress.codec, "level": compress.level,
+            "hot_steps": compress.hot_steps}
+
+
+def _element(cursor, data):
+    """The first element of what ``set(cursor, data)`` writes (what fixes the schema)."""
+    if isinstance(cursor, (int, np.integer)) and not isinstance(cursor, bool):
+        return data
+    if isinstance(data, list):
+        return data[0]
+    if is_tensor_collection(data) or isinstance(data, torch.Tensor):
+        return data[0]
+    return tree_map(lambda x: x[0], data)
+
+
+class _Cursor:
+    """TorchRL's ``_last_cursor_index_value`` (an ``mp.Value``), kept in the control block."""
+
+    def __init__(self, ctl: Control):
+        self._ctl = ctl
+
+    @property
+    def value(self) -> int:
+        return self._ctl[CURSOR] - 1
+
+    @value.setter
+    def value(self, value: int) -> None:
+        self._ctl[CURSOR] = int(value) + 1
+
+    def get_lock(self):
+        return _NoLock()
+
+
+class _NoLock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _finalize(ctl: Control, owner_pid: int) -> None:
+    """The constructing process removes the data segment, whoever made it, then its control."""
+    if os.getpid() == owner_pid:
+        _doors.remove_segment(ctl.data_name(ctl[GEN]))
+    ctl.buffer.close()
+
+
+@register
+class LazyShmStorage(LazyTensorStorage):
+    """A drop-in for ``torchrl.data.LazyTensorStorage`` whose data lives in shared memory.
+
+    The columns are made from the first element written, in whichever
+    process writes first.  Pickling sends the storage's name: a
+    ``ReplayBuffer`` holding it can go to spawned or forked processes, and
+    all of them read and write the same rows.  ``shmbuf.compat.torchrl.attach(name)``
+    (or ``shmbuf.attach(name)``) opens it in any process.
+
+    Args:
+        max_size: elements held (over the first ``ndim`` dims), >= 1.
+        device: where sampled tensors are sent ("cpu", "cuda:N", or "auto":
+            the device of the first data); the data itself stays in shared
+            memory.
+        ndim: storage dims counted by ``max_size``, as TorchRL's.
+        compilable, consolidated, shared_init, cleanup_memmap: accepted for
+            compatibility; the storage is always shared and never compiled.
+        name: the storage's name (a shmbuf segment name); generated if None.
+        compress: a ``shmbuf.Compress`` naming data keys (nested keys
+            joined by "."): their cold chunks are kept compressed
+            (``ShmWriter`` data only).
+        handle_signals: as ``shmbuf.create``.
+
+    Raises:
+        TypeError / ValueError: a bad argument, naming it.
+        SegmentExistsError: ``name`` is taken.
+
+    Example:
+        >>> rb = TensorDictReplayBuffer(storage=LazyShmStorage(100_000), batch_size=256)
+        >>> rb.extend(collector_batch)
+    """
+
+    FACADE = _control.FACADE
+    _ctl: Control = None  # type: ignore[assignment]   # class defaults: close() works early
+    _data = None
+    _data_gen = -1
+    _views = None
+    _schema_cache = None
+    _finalizer = None
+    _pending = None
+
+    def __init__(self, max_size, *, device="cpu", ndim: int = 1, compilable: bool = False,
+                 consolidated: bool = False, shared_init: bool = False,
+                 cleanup_memmap: bool = True, name: str | None = None, compress=None,
+                 handle_signals: bool | None = None):
+        params = {"max_size": check_int("max_size", max_size, 1),
+                  "ndim": check_int("ndim", ndim, 1, 8),
+                  "device": str(_check_device(device)),
+                  "compress": _check_compress(compress)}
+        ctl = Control.create(name, params, handle_signals)
+        self._finalizer = weakref.finalize(self, _finalize, ctl, os.getpid())
+        self._setup(ctl)
+
+    def _setup(self, ctl: Control) -> None:
+        """Set what TorchRL's constructors set, from the control block's parameters."""
+        params = ctl.params
+        self._ctl = ctl
+        self.max_size = params["max_size"]
+        self.ndim = params["ndim"]
+        self.device = _check_device(params["device"])
+        self.checkpointer = None
+        self._compilable = False
+        self._attached_entities_list = []
+        self._last_cursor = None
+        self.__dict__["_storage_keys"] = None
+        self.consolidated = False
+        self.shared_init = False
+        self.cleanup_memmap = True
+
+    # -- identity and lifecycle -------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The storage's name: ``attach(name)`` opens it in any process."""
+        return self._ctl.buffer.name
+
+    @property
+    def owner(self) -> bool:
+        """True in the process that constructed the storage (it removes the segments)."""
+        return self._finalizer is not None and self._finalizer.alive
+
+    @property
+    def buffer(self) -> store.Buffer | None:
+        """The shmbuf ``Buffer`` holding the data (None before the first write)."""
+        return self._data_buffer()
+
+    @property
+    def mode(self) -> str:
+        """How the storage is written: "empty", "indexed" or "streams"."""
+        return {NONE: "empty", INDEXED: "indexed", STREAMS: "streams"}[self._ctl[MODE]]
+
+    def close(self) -> None:
+        """Close this process's handles; the constructing process also removes the segments."""
+        data, self._data, self._views = self._data, None, None
+        if data is not None:
+            data.close()
+        if self._finalizer is not None:
+            self._finalizer()
+        elif self._ctl is not None:
+            self._ctl.buffer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __reduce__(self):
+        state = {"_attached_entities_list": self._attached_entities_list,
+                 "device": self.device}
+        return _reattach, (self.name,), state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+    @classmethod
+    def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
+                      handle_signals: bool | None = None):
+        """The storage over an attached control segment (the registry's way in)."""
+        return cls._from_control(store.Buffer._open_segment(
+            segment, layout, owner, seed=seed, own=own, handle_signals=handle_signals))
+
+    @classmethod
+    def _from_control(cls, buffer: store.Buffer) -> "LazyShmStorage":
+        try:
+            if buffer.meta.get("facade") != cls.FACADE:
+                raise CorruptSegmentError(
+                    f"segment {buffer.name!r} was made by "
+                    f"{buffer.meta.get('facade') or 'shmbuf.create'}, not by LazyShmStorage; "
+                    "open it with shmbuf.attach")
+            self = cls.__new__(cls)
+            self._setup(Control(buffer))
+            return self
+        except BaseException:
+            buffer.close()
+            raise
+
+    # -- the data segment ---------------------------------------------------------
+    def _data_buffer(self) -> store.Buffer | None:
+        """This process's handle on the current data segment; None before the first write."""
+        ctl = self._ctl
+        gen = ctl[GEN]
+        if self._data is not None and self._data_gen == gen:
+            return self._data
+        if ctl[READY] != gen + 1:
+            return None
+        self._bind(store.attach(ctl.data_name(gen)), gen)
+        return self._data
+
+    def _bind(self, buf: store.Buffer, gen: int) -> None:
+        old, self._data, self._data_gen = self._data, buf, gen
+        if old is not None and old is not buf:
+            old.close()
+        meta = buf.meta["torchrl"]
+        self._schema_cache = meta["schema"]
+        self.max_size = meta["max_size"]
+        self._views = _schema.build(meta["schema"], buf.arrays, buf.capacity)
+        self.__dict__.pop("_total_shape_value", None)
+        self.__dict__["_storage_keys"] = None
+
+    def _rows_for(self, schema: dict) -> tuple[int, int]:
+        """``(rows along dim 0, max_size)`` for elements of ``schema``, as TorchRL rounds."""
+        requested = self._ctl.params["max_size"]
+        if self.ndim == 1:
+            return requested, requested
+        per_row = int(np.prod(schema_batch(schema)[: self.ndim - 1]))
+        rows = -(requested // -per_row)
+        return rows, rows * per_row
+
+    def _make_data(self, schema: dict, mode: int) -> None:
+        """Create this generation's data segment for ``schema`` or, if another process was
+        first, attach to it and check that the two agree."""
+        ctl = self._ctl
+        gen = ctl[GEN]
+        rows, max_size = self._rows_for(schema)
+        name = ctl.data_name(gen)
+        ours = self.owner
+        try:
+            buf = store.create(_schema.spec_of(schema), rows, name=name,
+                               done_key=_schema.END_COLUMN, priorities=True,
+                               prefault=mode == INDEXED, overcommit=mode != INDEXED,
+                               compress=self._compress(schema),
+                               handle_signals=None if ours else False,
+                               meta={"torchrl": {"schema": schema, "max_size": max_size,
+                                                 "storage": ctl.buffer.name}})
+        except SegmentExistsError:
+            buf = store.attach(name)
+            theirs = buf.meta["torchrl"]["schema"]
+            why = _schema.compare(theirs, schema)
+            if why is not None:
+                buf.close()
+                raise ValueError(f"data: another process wrote the storage first, with "
+                                 f"another schema ({why}); "
+                                 "nothing was written") from None
+        else:
+            if not ours:
+                buf.keep()   # the constructing process removes it (_finalize)
+        self._bind(buf, gen)
+        ctl[READY] = gen + 1
+
+    def _compress(self, schema: dict) -> Compress | None:
+        conf = self._ctl.params["compress"]
+        if conf is None:
+            return None
+        columns = {".".join(key): col for key, col, _, _ in schema["leaves"]}
+        unknown = [c for c in conf["columns"] if c not in columns]
+        if unknown:
+            raise ValueError(f"compress: keys {unknown} are not in the data (keys "
+                             f"{sorted(columns)}; nested keys are joined by '.')")
+        return Compress([columns[c] for c in conf["columns"]], codec=conf["codec"],
+                        level=conf["level"], hot_steps=conf["hot_steps"])
+
+    def _claim_mode(self, mode: int) -> None:
+        """Fix the storage's mode at its first write; refuse the other one afterwards."""
+        ctl = self._ctl
+        now = ctl[MODE]
+        if now == NONE:
+            ctl[MODE] = mode
+        elif now != mode:
+            raise RuntimeError(
+                f"LazyShmStorage {self.name!r} is written in {_control.MODE_NAMES[now]} "
+                f"mode, so it cannot also be written in {_control.MODE_NAMES[mode]} mode: "
+                "use ShmWriter for every writer of a storage, or TorchRL's writers for all")
+
+    # -- what TorchRL keeps per process, shared ---------------------------------------
+    @property
+    def _storage(self):
+        return self._views if self._data_buffer() is not None else None
+
+    @_storage.setter
+    def _storage(self, value) -> None:
+        if value is None:
+            return
+        # A whole storage-shaped value (TorchRL's load_state_dict on an empty storage).
+        self._claim_mode(INDEXED)
+        if self._data_buffer() is None:
+            self._init(_element(None, value))
+        self._write_all(value)
+
+    def _write_all(self, value) -> None:
+        views = self._views
+        if is_tensor_collection(value):
+            views[: value.shape[0]].update_(value)
+        else:
+            tree_map(lambda dst, src: dst[: src.shape[0]].copy_(src), views, value)
+
+    @property
+    def initialized(self) -> bool:
+        return self._data_buffer() is not None
+
+    @initialized.setter
+    def initialized(self, value) -> None:
+        """TorchRL sets it after ``_init``; here it follows the data segment."""
+
+    @property
+    def _len(self) -> int:
+        ctl = self._ctl
+        if ctl[MODE] != STREAMS:
+            return ctl[LEN]
+        buf = self._data_buffer()
+        if buf is None:
+            return 0
+        return len(buf) * self._per_row()
+
+    @_len.setter
+    def _len(self, value) -> None:
+        if self._ctl[MODE] != STREAMS:
+            self._ctl[LEN] = int(value)
+
+    def _per_row(self) -> int:
+        if self.ndim == 1:
+            return 1
+        return int(np.prod(schema_batch(self._schema_cache)[: self.ndim - 1]))
+
+    @property
+    def _mutation_revision(self) -> int:
+        return self._ctl.revision()
+
+    def _bump_mutation_revision(self) -> None:
+        self._ctl.bump_revision()
+
+    @property
+    def _last_cursor_index_value(self):
+        return _Cursor(self._ctl)
+
+    @_last_cursor_index_value.setter
+    def _last_cursor_index_value(self, value) -> None:
+        """TorchRL's constructors set a process-local value; the shared word stays."""
+
+    @property
+    def _mutation_revision_value(self):
+        return None
+
+    @_mutation_revision_value.setter
+    def _mutation_revision_value(self, value) -> None:
+        """As ``_last_cursor_index_value``."""
+
+    # -- TorchRL's storage API --------------------------------------------------------
+    def _init(self, data) -> None:
+        if self._ctl[MODE] == NONE:
+            self._claim_mode(INDEXED)
+        return self._init_standard(data)
+
+    def _init_standard(self, data) -> None:
+        if self.device == "auto":
+            leaf = data if is_tensor_collection(data) or isinstance(data, torch.Tensor) \
+                else next(iter(torch.utils._pytree.tree_leaves(data)))
+            self.device = leaf.device
+        self._make_data(_schema.describe(data, self.ndim), self._ctl[MODE])
+
+    def set(self, cursor, data, *, set_cursor: bool = True):
+        """Write ``data`` at ``cursor`` (TorchRL's writers); checked against the schema first.
+
+        Raises:
+            ValueError: ``data`` drifts from the first element written (keys,
+                shapes, or a dtype that does not cast safely); nothing is written.
+            RuntimeError: the storage is written by ``ShmWriter``.
+        """
+        self._claim_mode(INDEXED)
+        if self.initialized:
+            why = _schema.drift(self._schema_cache, _element(cursor, data))
+            if why is not None:
+                raise ValueError(f"data: {why}; a LazyShmStorage keeps the keys, shapes and "
+                                 "dtypes of the first element written. Nothing was written")
+        return super().set(cursor, data, set_cursor=set_cursor)
+
+    def get(self, index):
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] is index:
+            return pending[1]
+        if self._ctl[MODE] == STREAMS:
+            index = self._stream_index(index)
+            out = self._views[index] if self._data_buffer() is not None else None
+            if out is None:
+                raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+        else:
+            out = super().get(index)
+        return self._to_device(out)
+
+    def _to_device(self, out):
+        device = self.device
+        if isinstance(device, torch.device) and device.type not in ("cpu", "meta"):
+            return out.to(device) if hasattr(out, "to") else tree_map(
+                lambda x: x.to(device), out)
+        return out
+
+    def _stream_index(self, index):
+        """Rows of a stream-mode index: slices select the rows that hold a step now."""
+        if isinstance(index, slice):
+            rows = np.sort(self._data_buffer().committed_rows())
+            lo, hi, step = index.indices(self._data_buffer().capacity)
+            if step == 1:
+                rows = rows[(rows >= lo) & (rows < hi)]
+            else:
+                rows = np.intersect1d(rows, np.arange(lo, hi, step))
+            return torch.from_numpy(rows)
+        return index
+
+    def stash(self, index, batch) -> None:
+        """Hand ``batch`` to the next ``get(index)`` (a sampler that already gathered it)."""
+        self._pending = (index, batch)
+
+    def _rand_given_ndim(self, batch_size):
+        if self._ctl[MODE] != STREAMS:
+            return super()._rand_given_ndim(batch_size)
+        rows = torch.from_numpy(self._data_buffer().committed_rows())
+        pick = rows[torch.randint(0, len(rows), (batch_size,), generator=self._rng)]
+        if self.ndim == 1:
+            return pick
+        dims = self._views.shape[1:self.ndim]
+        return (pick,) + tuple(torch.randint(d, (batch_size,), generator=self._rng)
+                               for d in dims)
+
+    def _empty(self):
+        if self._ctl[MODE] == STREAMS:
+            raise NotImplementedError(
+                "empty(): a storage written by ShmWriter keeps its steps until they are "
+                "evicted (FIFO per stream); make a new storage instead")
+        super()._empty()
+
+
+def schema_batch(schema: dict) -> list:
+    """The element's batch dims under a schema (the first leaf's shape for tensors)."""
+    if schema["kind"] == "td":
+        return schema["batch"]
+    return schema["leaves"][0][3]
+
+
+def attach(name: str) -> LazyShmStorage:
+    """Open the ``LazyShmStorage`` called ``name``, made by any process; this handle
+    never removes it.  (``Storage.attach(buffer)`` is TorchRL's own method, for
+    replay buffers that read a storage.)
+
+    Raises:
+        SegmentNotFoundError: no storage has that name.
+        CorruptSegmentError: ``name`` is a shmbuf buffer, but not a LazyShmStorage.
+
+    Example:
+        >>> storage = shmbuf.compat.torchrl.attach("shmbuf-1a2b3c4d5e6f")
+    """
+    return LazyShmStorage._from_control(store.attach(name))
+
+
+_reattach = attach
+
