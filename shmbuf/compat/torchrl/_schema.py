@@ -19,7 +19,13 @@ import importlib
 
 import numpy as np
 import torch
-from tensordict import TensorDict, is_tensor_collection, is_tensorclass
+from tensordict import (
+    LazyStackedTensorDict,
+    TensorDict,
+    is_non_tensor,
+    is_tensor_collection,
+    is_tensorclass,
+)
 from torch.utils import _pytree
 
 FORMAT = 1
@@ -91,7 +97,10 @@ def describe(element, ndim: int) -> dict:
         TypeError: a leaf that is not a tensor, or a type the storage cannot hold.
         ValueError: an element with fewer dims than ``ndim - 1``.
     """
-    if is_tensor_collection(element):
+    if _ragged(element):
+        schema = _describe_lazy(element)
+        batch = schema["batch"]
+    elif is_tensor_collection(element):
         schema = _describe_td(element)
         batch = schema["batch"]
     elif isinstance(element, torch.Tensor):
@@ -114,22 +123,41 @@ def describe(element, ndim: int) -> dict:
     return schema
 
 
-def _describe_td(td) -> dict:
+def _ragged(element) -> bool:
+    """A lazy stack whose parts differ in shape: no dense view of it exists."""
+    if not isinstance(element, LazyStackedTensorDict):
+        return False
+    shapes = [{k: tuple(v.shape) for k, v in part.items(True, True)}
+              for part in element.tensordicts]
+    return any(s != shapes[0] for s in shapes[1:])
+
+
+def _describe_lazy(stack) -> dict:
+    """A ragged lazy stack: each part's columns apart, stacked again by ``build``."""
+    parts, leaves = [], []
+    for part in stack.tensordicts:
+        sub = _describe_td(part, first=len(leaves))
+        parts.append(sub)
+        leaves.extend(sub["leaves"])
+    return {"kind": "lazy", "stack_dim": stack.stack_dim, "batch": list(stack.batch_size),
+            "parts": parts, "leaves": leaves}
+
+
+def _describe_td(td, first: int = 0) -> dict:
     cls = _class_path(type(td)) if is_tensorclass(td) else None
     inner = td._tensordict if is_tensorclass(td) else td
     root = len(inner.batch_size)
-    nodes, leaves = [], []
-    for key, value in inner.items(include_nested=True):
-        if isinstance(value, torch.Tensor):
+    nodes, leaves, local = [], [], []
+    for key, value in inner.items(include_nested=True, is_leaf=_stops_at_non_tensor):
+        if is_non_tensor(value):
+            local.append(_key(key))   # strings and objects: kept by each process (local_part)
+        elif isinstance(value, torch.Tensor):
             if value.is_nested or value.layout != torch.strided:
                 raise TypeError(f"data[{key!r}]: a LazyShmStorage holds dense tensors, got "
                                 f"layout {value.layout}")
-            leaves.append(_leaf_entry(key, f"c{len(leaves)}", value))
+            leaves.append(_leaf_entry(key, f"c{first + len(leaves)}", value))
         elif is_tensor_collection(value):
             sub = value._tensordict if is_tensorclass(value) else value
-            if type(sub).__name__.startswith("NonTensor"):
-                raise TypeError(f"data[{key!r}]: non-tensor data cannot live in shared "
-                                "memory; keep it out of the storage (or encode it as a tensor)")
             nodes.append([_key(key), _class_path(type(value)) if is_tensorclass(value) else None,
                           list(sub.batch_size[root:])])
         else:
@@ -138,7 +166,39 @@ def _describe_td(td) -> dict:
         raise ValueError("data: the first element written holds no tensor; a LazyShmStorage "
                          "makes its columns from the first element's tensors")
     return {"kind": "td", "cls": cls, "batch": list(inner.batch_size), "nodes": nodes,
-            "leaves": leaves}
+            "leaves": leaves, "local": local}
+
+
+def _stops_at_non_tensor(cls) -> bool:
+    """``items``' leaf rule: tensors, and non-tensor data (which ``items`` would enter)."""
+    return issubclass(cls, torch.Tensor) or getattr(cls, "_is_non_tensor", False)
+
+
+def local_part(schema: dict, element, capacity: int):
+    """The storage-shaped non-tensor entries of ``element`` (None if it has none), made the
+    way TorchRL's ``LazyTensorStorage`` makes them: they stay in the process that holds them."""
+    keys = [tuple(k) for k in schema.get("local", [])]
+    if not keys:
+        return None
+    inner = element._tensordict if is_tensorclass(element) else element
+    picked = inner.select(*keys)
+    return torch.empty_like(picked.expand(capacity, *picked.shape))
+
+
+def merge_local(views, local) -> None:
+    """Put the process-local entries ``local`` beside the shared columns of ``views``."""
+    if local is not None:
+        inner = views._tensordict if is_tensorclass(views) else views
+        inner.update(local)
+
+
+def take_local(schema: dict, views):
+    """The current process-local entries of ``views`` (writes may have replaced them)."""
+    keys = [tuple(k) for k in schema.get("local", [])]
+    if not keys or views is None:
+        return None
+    inner = views._tensordict if is_tensorclass(views) else views
+    return inner.select(*keys, strict=False)
 
 
 def spec_of(schema: dict) -> dict:
@@ -151,22 +211,31 @@ def spec_of(schema: dict) -> dict:
 
 def build(schema: dict, arrays: dict, capacity: int):
     """The storage-shaped TensorDict / tensor / pytree over the columns ``arrays``."""
-    views = []
+    views = {}
     for _, col, dt, _ in schema["leaves"]:
         dtype = torch_dtype(dt)
         tensor = torch.from_numpy(arrays[col])
-        views.append(tensor.view(dtype) if dtype in _RAW else tensor)
+        views[col] = tensor.view(dtype) if dtype in _RAW else tensor
     kind = schema["kind"]
     if kind == "tensor":
-        return views[0]
+        return views["c0"]
     if kind == "tree":
-        return _pytree.tree_unflatten(views, _pytree.treespec_loads(schema["tree"]))
+        return _pytree.tree_unflatten([views[col] for _, col, _, _ in schema["leaves"]],
+                                      _pytree.treespec_loads(schema["tree"]))
+    if kind == "lazy":
+        return LazyStackedTensorDict(*[_build_td(part, views, capacity)
+                                       for part in schema["parts"]],
+                                     stack_dim=schema["stack_dim"] + 1)
+    return _build_td(schema, views, capacity)
+
+
+def _build_td(schema: dict, views: dict, capacity: int):
     batch = [capacity, *schema["batch"]]
     root = TensorDict({}, batch_size=batch)
     for key, _, extra in sorted(schema["nodes"], key=lambda n: len(n[0])):
         root.set(tuple(key), TensorDict({}, batch_size=batch + extra))
-    for (key, _, _, _), view in zip(schema["leaves"], views):
-        root.set(tuple(key), view)
+    for key, col, _, _ in schema["leaves"]:
+        root.set(tuple(key), views[col])
     # Tensorclasses wrap their TensorDicts from the innermost out.
     for key, path, _ in sorted(schema["nodes"], key=lambda n: -len(n[0])):
         cls = _class_of(path)
@@ -176,36 +245,79 @@ def build(schema: dict, arrays: dict, capacity: int):
     return cls.from_tensordict(root) if cls is not None else root
 
 
-def drift(schema: dict, element) -> str | None:
-    """How ``element`` differs from ``schema`` (keys, shapes, unsafe dtypes), or None if it fits."""
+def drift(schema: dict, element, *, exact: bool) -> str | None:
+    """How ``element`` differs from ``schema``, or None if it fits.
+
+    Keys both hold must agree in shape, and in dtype up to a safe cast
+    (``torch.can_cast``).  ``exact``: the keys must be the same too (a
+    ``ShmWriter`` step fills every column); otherwise missing keys are left
+    untouched and new ones grow the storage (``grow``), as TorchRL's
+    ``LazyTensorStorage`` does.
+    """
     try:
         other = describe(element, 1)
     except (TypeError, ValueError) as exc:
         return str(exc)
-    return compare(schema, other)
+    return compare(schema, other, exact=exact)
 
 
-def compare(schema: dict, other: dict) -> str | None:
-    """How ``other`` differs from ``schema``; a dtype that casts safely (``torch.can_cast``)
-    into the stored one fits."""
+def _leaf_table(schema: dict) -> dict:
+    if schema["kind"] == "tree":
+        return {i: (dt, shape) for i, (_, _, dt, shape) in enumerate(schema["leaves"])}
+    return {tuple(k): (dt, shape) for k, _, dt, shape in schema["leaves"]}
+
+
+def compare(schema: dict, other: dict, *, exact: bool) -> str | None:
+    """How ``other`` (a described element) differs from ``schema`` (see ``drift``)."""
     if other["kind"] != schema["kind"]:
         return f"the storage holds a {schema['kind']}, got a {other['kind']}"
-    if schema["kind"] == "tree":
-        if other["tree"] != schema["tree"]:
-            return "the pytree's structure differs from the first element's"
-        mine = {i: (dt, shape) for i, (_, _, dt, shape) in enumerate(schema["leaves"])}
-        theirs = {i: (dt, shape) for i, (_, _, dt, shape) in enumerate(other["leaves"])}
-    else:
-        mine = {tuple(k): (dt, shape) for k, _, dt, shape in schema["leaves"]}
-        theirs = {tuple(k): (dt, shape) for k, _, dt, shape in other["leaves"]}
-    missing = sorted(map(str, mine.keys() - theirs.keys()))
-    extra = sorted(map(str, theirs.keys() - mine.keys()))
-    if missing or extra:
-        return f"missing keys {missing}, unexpected keys {extra}"
-    for key, (dt, shape) in mine.items():
-        odt, oshape = theirs[key]
-        if oshape != shape:
+    if schema["kind"] == "tree" and other["tree"] != schema["tree"]:
+        return "the pytree's structure differs from the first element's"
+    if schema["kind"] == "lazy":
+        if len(other["parts"]) != len(schema["parts"]) or other["stack_dim"] != schema[
+                "stack_dim"]:
+            return "the lazy stack's parts differ from the first element's"
+        for mine_part, their_part in zip(schema["parts"], other["parts"]):
+            why = compare(dict(mine_part, kind="td"), dict(their_part, kind="td"), exact=exact)
+            if why is not None:
+                return why
+        return None
+    mine, theirs = _leaf_table(schema), _leaf_table(other)
+    if exact:
+        missing = sorted(map(str, mine.keys() - theirs.keys()))
+        extra = sorted(map(str, theirs.keys() - mine.keys()))
+        if missing or extra:
+            return (f"missing keys {missing}, unexpected keys {extra} (the storage holds "
+                    f"{sorted(map(str, mine))}; select the keys to keep, or write them from "
+                    "the first batch on)")
+    # An element may index deeper than dim 0 (a tuple cursor with ndim > 1): it must
+    # match the end of the stored shape.
+    for key in mine.keys() & theirs.keys():
+        (dt, shape), (odt, oshape) = mine[key], theirs[key]
+        fits = oshape == shape if exact else len(oshape) <= len(shape) and (
+            not oshape or shape[-len(oshape):] == oshape)
+        if not fits:
             return f"key {key}: shape {tuple(oshape)} where the storage holds {tuple(shape)}"
         if odt != dt and not torch.can_cast(torch_dtype(odt), torch_dtype(dt)):
             return f"key {key}: dtype {odt} does not cast safely to the stored {dt}"
     return None
+
+
+def grow(schema: dict, element) -> dict | None:
+    """``schema`` with the keys of ``element`` it lacks (new columns), or None if none."""
+    if schema["kind"] != "td":
+        return None
+    other = describe(element, 1)
+    have = {tuple(k) for k, _, _, _ in schema["leaves"]}
+    new = [entry for entry in other["leaves"] if tuple(entry[0]) not in have]
+    if not new:
+        return None
+    used = max(int(col[1:]) for _, col, _, _ in schema["leaves"])
+    leaves = list(schema["leaves"])
+    for i, (key, _, dt, shape) in enumerate(new, start=used + 1):
+        leaves.append([key, f"c{i}", dt, shape])
+    nodes = {tuple(k): [k, c, b] for k, c, b in schema["nodes"]}
+    for k, c, b in other["nodes"]:
+        nodes.setdefault(tuple(k), [k, c, b])
+    return dict(schema, leaves=leaves, nodes=list(nodes.values()),
+                local=schema.get("local", []))

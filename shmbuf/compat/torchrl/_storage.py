@@ -18,11 +18,13 @@ Two modes, fixed by the first write (see the guide):
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 
 import numpy as np
 import torch
 from tensordict import is_tensor_collection
+from torch.compiler import is_compiling
 from torch.utils._pytree import tree_map
 from torchrl.data.replay_buffers.storages import LazyTensorStorage
 
@@ -137,6 +139,7 @@ class LazyShmStorage(LazyTensorStorage):
     _data = None
     _data_gen = -1
     _views = None
+    _local = None   # non-tensor entries, kept per process (as LazyTensorStorage keeps them)
     _schema_cache = None
     _finalizer = None
     _pending = None
@@ -148,7 +151,8 @@ class LazyShmStorage(LazyTensorStorage):
         params = {"max_size": check_int("max_size", max_size, 1),
                   "ndim": check_int("ndim", ndim, 1, 8),
                   "device": str(_check_device(device)),
-                  "compress": _check_compress(compress)}
+                  "compress": _check_compress(compress),
+                  "compilable": bool(compilable), "shared_init": bool(shared_init)}
         ctl = Control.create(name, params, handle_signals)
         self._finalizer = weakref.finalize(self, _finalize, ctl, os.getpid())
         self._setup(ctl)
@@ -161,12 +165,20 @@ class LazyShmStorage(LazyTensorStorage):
         self.ndim = params["ndim"]
         self.device = _check_device(params["device"])
         self.checkpointer = None
-        self._compilable = False
+        # compilable: TorchRL keeps the length, the revision and the last cursor in this
+        # process (its documented limit: such a storage is not shared); the data is.
+        self._compilable = params["compilable"]
+        if self._compilable:
+            self.__dict__.update(_local_len=0, _local_revision=torch.zeros((), dtype=torch.int64),
+                                 _local_cursor=torch.full((), -1, dtype=torch.int64))
+            # TorchRL's own set, which torch.compile traces; the schema checks are skipped.
+            self.__dict__["set"] = LazyTensorStorage.set.__get__(self, type(self))
         self._attached_entities_list = []
         self._last_cursor = None
         self.__dict__["_storage_keys"] = None
         self.consolidated = False
         self.shared_init = False
+        self._cpu_only = params["shared_init"]   # TorchRL's shared_init keeps data on the CPU
         self.cleanup_memmap = True
 
     # -- identity and lifecycle -------------------------------------------------
@@ -253,9 +265,12 @@ class LazyShmStorage(LazyTensorStorage):
         if old is not None and old is not buf:
             old.close()
         meta = buf.meta["torchrl"]
+        local = self._local if self._views is None else _schema.take_local(
+            self._schema_cache, self._views)
         self._schema_cache = meta["schema"]
         self.max_size = meta["max_size"]
         self._views = _schema.build(meta["schema"], buf.arrays, buf.capacity)
+        _schema.merge_local(self._views, local)
         self.__dict__.pop("_total_shape_value", None)
         self.__dict__["_storage_keys"] = None
 
@@ -268,36 +283,53 @@ class LazyShmStorage(LazyTensorStorage):
         rows = -(requested // -per_row)
         return rows, rows * per_row
 
+    def _create_data(self, schema: dict, rows: int, max_size: int, mode: int):
+        """Create the data segment of the current generation (SegmentExistsError if another
+        process was first); a process that did not construct the storage keeps it for the
+        one that did."""
+        ctl, ours = self._ctl, self.owner
+        buf = store.create(_schema.spec_of(schema), rows, name=ctl.data_name(ctl[GEN]),
+                           done_key=_schema.END_COLUMN, priorities=True,
+                           prefault=mode == INDEXED, overcommit=mode != INDEXED,
+                           compress=self._compress(schema),
+                           handle_signals=None if ours else False,
+                           meta={"torchrl": {"schema": schema, "max_size": max_size,
+                                             "storage": ctl.buffer.name}})
+        if not ours:
+            buf.keep()   # the constructing process removes it (_finalize)
+        return buf
+
     def _make_data(self, schema: dict, mode: int) -> None:
         """Create this generation's data segment for ``schema`` or, if another process was
         first, attach to it and check that the two agree."""
         ctl = self._ctl
         gen = ctl[GEN]
         rows, max_size = self._rows_for(schema)
-        name = ctl.data_name(gen)
-        ours = self.owner
         try:
-            buf = store.create(_schema.spec_of(schema), rows, name=name,
-                               done_key=_schema.END_COLUMN, priorities=True,
-                               prefault=mode == INDEXED, overcommit=mode != INDEXED,
-                               compress=self._compress(schema),
-                               handle_signals=None if ours else False,
-                               meta={"torchrl": {"schema": schema, "max_size": max_size,
-                                                 "storage": ctl.buffer.name}})
+            buf = self._create_data(schema, rows, max_size, mode)
         except SegmentExistsError:
-            buf = store.attach(name)
+            buf = store.attach(ctl.data_name(gen))
             theirs = buf.meta["torchrl"]["schema"]
-            why = _schema.compare(theirs, schema)
+            why = _schema.compare(theirs, schema, exact=True)
             if why is not None:
                 buf.close()
                 raise ValueError(f"data: another process wrote the storage first, with "
-                                 f"another schema ({why}); "
-                                 "nothing was written") from None
-        else:
-            if not ours:
-                buf.keep()   # the constructing process removes it (_finalize)
+                                 f"another schema ({why}); nothing was written") from None
         self._bind(buf, gen)
         ctl[READY] = gen + 1
+
+    def _grow(self, schema: dict) -> None:
+        """Move the data to a new generation whose schema has new keys (indexed mode:
+        TorchRL's storages take new keys at any write); the old columns are copied."""
+        ctl, old = self._ctl, self._data
+        gen = ctl[GEN] + 1
+        ctl[GEN] = gen
+        buf = self._create_data(schema, old.capacity, self.max_size, INDEXED)
+        for name, column in old.arrays.items():
+            buf.arrays[name][...] = column
+        self._bind(buf, gen)
+        ctl[READY] = gen + 1
+        _doors.remove_segment(ctl.data_name(gen - 1))
 
     def _compress(self, schema: dict) -> Compress | None:
         conf = self._ctl.params["compress"]
@@ -326,6 +358,8 @@ class LazyShmStorage(LazyTensorStorage):
     # -- what TorchRL keeps per process, shared ---------------------------------------
     @property
     def _storage(self):
+        if is_compiling():
+            return self._views
         return self._views if self._data_buffer() is not None else None
 
     @_storage.setter
@@ -347,6 +381,8 @@ class LazyShmStorage(LazyTensorStorage):
 
     @property
     def initialized(self) -> bool:
+        if is_compiling():
+            return self._views is not None
         return self._data_buffer() is not None
 
     @initialized.setter
@@ -355,6 +391,8 @@ class LazyShmStorage(LazyTensorStorage):
 
     @property
     def _len(self) -> int:
+        if self._compilable:
+            return self.__dict__["_local_len"]
         ctl = self._ctl
         if ctl[MODE] != STREAMS:
             return ctl[LEN]
@@ -365,7 +403,9 @@ class LazyShmStorage(LazyTensorStorage):
 
     @_len.setter
     def _len(self, value) -> None:
-        if self._ctl[MODE] != STREAMS:
+        if self._compilable:
+            self.__dict__["_local_len"] = value
+        elif self._ctl[MODE] != STREAMS:
             self._ctl[LEN] = int(value)
 
     def _per_row(self) -> int:
@@ -375,26 +415,33 @@ class LazyShmStorage(LazyTensorStorage):
 
     @property
     def _mutation_revision(self) -> int:
+        if self._compilable:
+            return super()._mutation_revision
         return self._ctl.revision()
 
     def _bump_mutation_revision(self) -> None:
+        if self._compilable:
+            return super()._bump_mutation_revision()
         self._ctl.bump_revision()
+        return None
 
     @property
     def _last_cursor_index_value(self):
-        return _Cursor(self._ctl)
+        return self.__dict__["_local_cursor"] if self._compilable else _Cursor(self._ctl)
 
     @_last_cursor_index_value.setter
     def _last_cursor_index_value(self, value) -> None:
-        """TorchRL's constructors set a process-local value; the shared word stays."""
+        if self._compilable:
+            self.__dict__["_local_cursor"] = value
 
     @property
     def _mutation_revision_value(self):
-        return None
+        return self.__dict__["_local_revision"] if self._compilable else None
 
     @_mutation_revision_value.setter
     def _mutation_revision_value(self, value) -> None:
-        """As ``_last_cursor_index_value``."""
+        if self._compilable:
+            self.__dict__["_local_revision"] = value
 
     # -- TorchRL's storage API --------------------------------------------------------
     def _init(self, data) -> None:
@@ -403,26 +450,38 @@ class LazyShmStorage(LazyTensorStorage):
         return self._init_standard(data)
 
     def _init_standard(self, data) -> None:
+        if self._cpu_only and self.device not in (None, "auto") and self.device.type != "cpu":
+            warnings.warn(f"LazyShmStorage(shared_init=True) keeps its data on the CPU, as "
+                          f"TorchRL's does; the requested storage device ({self.device}) "
+                          "cannot be honored and is reset to 'cpu'.", stacklevel=3)
+            self.device = torch.device("cpu")
         if self.device == "auto":
             leaf = data if is_tensor_collection(data) or isinstance(data, torch.Tensor) \
                 else next(iter(torch.utils._pytree.tree_leaves(data)))
             self.device = leaf.device
-        self._make_data(_schema.describe(data, self.ndim), self._ctl[MODE])
+        schema = _schema.describe(data, self.ndim)
+        self._local = _schema.local_part(schema, data, self._rows_for(schema)[0])
+        self._make_data(schema, self._ctl[MODE])
 
     def set(self, cursor, data, *, set_cursor: bool = True):
         """Write ``data`` at ``cursor`` (TorchRL's writers); checked against the schema first.
 
         Raises:
-            ValueError: ``data`` drifts from the first element written (keys,
-                shapes, or a dtype that does not cast safely); nothing is written.
+            ValueError: ``data`` drifts from the first element written (a
+                shape, or a dtype that does not cast safely); nothing is written.
+                New keys add columns, as in ``LazyTensorStorage``.
             RuntimeError: the storage is written by ``ShmWriter``.
         """
         self._claim_mode(INDEXED)
         if self.initialized:
-            why = _schema.drift(self._schema_cache, _element(cursor, data))
+            element = _element(cursor, data)
+            why = _schema.drift(self._schema_cache, element, exact=False)
             if why is not None:
-                raise ValueError(f"data: {why}; a LazyShmStorage keeps the keys, shapes and "
-                                 "dtypes of the first element written. Nothing was written")
+                raise ValueError(f"data: {why}; a LazyShmStorage keeps the shapes and dtypes "
+                                 "of the first element written. Nothing was written")
+            grown = _schema.grow(self._schema_cache, element)
+            if grown is not None:
+                self._grow(grown)
         return super().set(cursor, data, set_cursor=set_cursor)
 
     def get(self, index):
@@ -482,7 +541,7 @@ class LazyShmStorage(LazyTensorStorage):
 
 def schema_batch(schema: dict) -> list:
     """The element's batch dims under a schema (the first leaf's shape for tensors)."""
-    if schema["kind"] == "td":
+    if "batch" in schema:
         return schema["batch"]
     return schema["leaves"][0][3]
 
