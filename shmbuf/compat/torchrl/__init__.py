@@ -14,6 +14,8 @@ except ImportError as exc:   # the core never imports them: only this package do
     raise ImportError(f"shmbuf.compat.torchrl needs torchrl and tensordict ({exc}); install "
                       "them with: pip install 'shmbuf[torchrl]'") from exc
 
+from ._samplers import PrioritizedSliceSampler, SliceSampler
 from ._storage import LazyShmStorage, attach
+from ._writer import ShmWriter
 
-__all__ = ["LazyShmStorage", "attach"]
+__all__ = ["LazyShmStorage", "ShmWriter", "SliceSampler", "PrioritizedSliceSampler", "attach"]

@@ -177,7 +177,9 @@ class LazyShmStorage(LazyTensorStorage):
         self._last_cursor = None
         self.__dict__["_storage_keys"] = None
         self.consolidated = False
-        self.shared_init = False
+        # Always shared: the first writer in any process makes the columns (TorchRL's
+        # collectors then let their workers write first instead of a fake first batch).
+        self.shared_init = True
         self._cpu_only = params["shared_init"]   # TorchRL's shared_init keeps data on the CPU
         self.cleanup_memmap = True
 
@@ -530,6 +532,9 @@ class LazyShmStorage(LazyTensorStorage):
         dims = self._views.shape[1:self.ndim]
         return (pick,) + tuple(torch.randint(d, (batch_size,), generator=self._rng)
                                for d in dims)
+
+    def _wait_for_init(self) -> None:
+        """Nothing to wait for: ``initialized`` reads the control block."""
 
     def _empty(self):
         if self._ctl[MODE] == STREAMS:
