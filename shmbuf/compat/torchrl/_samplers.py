@@ -119,7 +119,9 @@ class PrioritizedSliceSampler(SliceSampler):
     (``reduction="max"``) or mean (``"mean"``) of its steps' priorities;
     ``update_priority`` stores ``|priority| + eps`` for the steps the index
     names, from any process, and every process's next draw uses it.  A step
-    never updated has the largest priority set so far (1.0 before any).
+    never updated counts, at each draw, as having the largest priority set so
+    far (1.0 before any), so every new step is likely to be drawn soon; TorchRL
+    instead gives a new step the largest priority at the time it is written.
     ``info["priority_weight"]`` holds importance weights
     ``(score / min score) ** -beta`` over the batch (normalised in the batch,
     as no process keeps the sum of every window's score).

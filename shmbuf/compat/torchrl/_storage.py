@@ -33,7 +33,7 @@ from ..._errors import CorruptSegmentError, SegmentExistsError
 from ..._registry import register
 from ...store import buffer as store
 from ...writing.compress import Compress
-from . import _control, _doors, _schema
+from . import _checkpoints, _control, _doors, _schema
 from ._control import CURSOR, GEN, INDEXED, LEN, MODE, NONE, READY, STREAMS, Control
 
 
@@ -532,6 +532,30 @@ class LazyShmStorage(LazyTensorStorage):
         dims = self._views.shape[1:self.ndim]
         return (pick,) + tuple(torch.randint(d, (batch_size,), generator=self._rng)
                                for d in dims)
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """TorchRL's checkpoint of the rows; with ``ShmWriter`` data, the streams' own."""
+        if self._ctl[MODE] == STREAMS:
+            return _checkpoints.state_dict(self)
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        if "shmbuf_streams" in state_dict:
+            return _checkpoints.load_state_dict(self, state_dict)
+        self._claim_mode(INDEXED)
+        return super().load_state_dict(state_dict)
+
+    def dumps(self, path) -> None:
+        if self._ctl[MODE] == STREAMS:
+            return _checkpoints.dumps(self, path)
+        return super().dumps(path)
+
+    def loads(self, path) -> None:
+        if _checkpoints.holds_streams(path):
+            return _checkpoints.loads(self, path)
+        self._claim_mode(INDEXED)
+        return super().loads(path)
 
     def _wait_for_init(self) -> None:
         """Nothing to wait for: ``initialized`` reads the control block."""

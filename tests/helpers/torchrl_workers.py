@@ -1,0 +1,59 @@
+"""Spawned-process bodies for tests/test_compat_torchrl.py (importable by the children).
+
+Every row a writer makes encodes ``(writer, step, check)`` with
+``check = writer * 1_000_003 + step``, so a reader can tell a torn, mixed or
+misplaced step.
+"""
+import torch
+from tensordict import TensorDict
+
+
+def check_of(writer, step):
+    return writer * 1_000_003 + step
+
+
+def rows(writer: int, first: int, n: int, traj_len: int = 0) -> TensorDict:
+    """``n`` steps of writer ``writer`` from step ``first``; trajectories of ``traj_len``
+    steps (0: one trajectory per writer)."""
+    step = torch.arange(first, first + n)
+    traj = step // traj_len if traj_len else torch.zeros(n, dtype=torch.int64)
+    return TensorDict({
+        "obs": torch.stack([torch.full((n,), writer), step, check_of(writer, step)], -1),
+        "pixels": (step % 251).to(torch.uint8)[:, None, None].expand(n, 4, 4).clone(),
+        ("collector", "traj_ids"): traj + 1000 * writer,
+    }, [n])
+
+
+def extend_loop(rb, writer: int, batches: int, batch: int, traj_len: int, ready, go):
+    """Extend ``batches`` batches of encoded rows, after ``go`` is set."""
+    ready.put(writer)
+    go.wait(60)
+    for b in range(batches):
+        rb.extend(rows(writer, b * batch, batch, traj_len))
+
+
+def extend_forever(rb, writer: int, batch: int, ready):
+    """Extend encoded rows until killed (the crash test SIGKILLs it)."""
+    b = 0
+    while True:
+        rb.extend(rows(writer, b * batch, batch))
+        if b == 3:
+            ready.put(writer)
+        b += 1
+
+
+def write_first(rb, out):
+    """A child that writes the storage's first batch; reports the indices."""
+    index = rb.extend(rows(7, 0, 5))
+    out.put(index.tolist())
+
+
+def read_rows(storage, index, out):
+    """Read ``storage[index]`` in this process; report the obs."""
+    out.put(storage[torch.tensor(index)]["obs"].tolist())
+
+
+def bump_priority(rb, index, out):
+    """Set a large priority on the steps at ``index``, from this process."""
+    rb.update_priority(torch.tensor(index), torch.full((len(index),), 1000.0))
+    out.put("done")
