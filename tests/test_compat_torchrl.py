@@ -428,3 +428,20 @@ def test_the_core_does_not_import_torchrl():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=TIMEOUT)
     assert out.stdout.split() == ["False", "False"], out.stderr
+
+
+def test_compressed_keys_are_sampled_decoded(closing):
+    pytest.importorskip("zstandard")
+    storage = closing(LazyShmStorage(2048, compress=shmbuf.Compress("pixels", hot_steps=64)))
+    rb = stream_rb(storage, sampler=SliceSampler(slice_len=4), batch_size=32)
+    for b in range(30):
+        rb.extend(workers.rows(0, 50 * b, 50))
+    storage.buffer.compact()
+    assert storage.buffer.stats().compression.compressed_chunks > 0
+    for _ in range(5):
+        data = rb.sample()
+        assert_well_formed(data["obs"])
+        want = (data["obs"][:, 1] % 251).to(torch.uint8)
+        assert (data["pixels"] == want[:, None, None]).all()
+    with pytest.raises(NotImplementedError, match="compress"):
+        rb[:]

@@ -164,3 +164,17 @@ def test_every_example_has_a_test():
     tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py",
               "offline_dataloader.py", "swm_collectors.py", *FACADE_EXAMPLES}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
+
+
+@pytest.mark.slow
+def test_torchrl_collectors_quick_run_checks_every_slice():
+    pytest.importorskip("torchrl", reason="the torchrl extra is not installed")
+    pytest.importorskip("gymnasium")
+    got = subprocess.run([sys.executable, str(ROOT / "examples" / "torchrl_collectors.py"),
+                          "--quick"], capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    last = got.stdout.strip().splitlines()[-1]
+    match = re.match(r"done: (\d+) frames from 2 workers in 2 streams, (\d+) batches of 16x8 "
+                     r"checked", last)
+    assert match, last
+    assert int(match.group(1)) >= 2000 and int(match.group(2)) > 0

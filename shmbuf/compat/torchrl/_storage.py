@@ -491,6 +491,11 @@ class LazyShmStorage(LazyTensorStorage):
         if pending is not None and pending[0] is index:
             return pending[1]
         if self._ctl[MODE] == STREAMS:
+            if self._ctl.params["compress"] is not None:
+                raise NotImplementedError(
+                    "reading rows of a compressing LazyShmStorage directly (rb[index], "
+                    "rb[:], TorchRL's samplers) is not supported yet: sample it with "
+                    "shmbuf.compat.torchrl.SliceSampler, which decodes compressed chunks")
             index = self._stream_index(index)
             out = self._views[index] if self._data_buffer() is not None else None
             if out is None:
