@@ -51,7 +51,7 @@ class SliceSampler(_TorchRLSliceSampler):
         >>> rb.sample()["obs"].shape   # (2500, ...): 50 slices of 50 steps
     """
 
-    _select = None   # shmbuf.select regime; None: uniform over valid starts
+    _select: select.Selector | None = None   # a shmbuf.select regime; None: uniform
 
     def sample(self, storage, batch_size: int):
         if not _streams(storage):
@@ -65,7 +65,7 @@ class SliceSampler(_TorchRLSliceSampler):
         if storage.ndim != 1:
             raise RuntimeError(f"SliceSampler: a storage written by ShmWriter is sliced along "
                                f"dim 0 with ndim=1; this one has ndim={storage.ndim}")
-        buf = storage.buffer
+        buf = storage.held()
         self._last_storage = storage
         batch = buf.sample_sequences(num_slices, seq_length, time_major=False, ids=True,
                                      select=self._select)
@@ -216,12 +216,12 @@ class PrioritizedSliceSampler(SliceSampler):
         if isinstance(index, tuple):
             index = index[0]
         rows = torch.as_tensor(index).reshape(-1).cpu().numpy().astype(np.int64)
-        value = torch.as_tensor(priority, dtype=torch.float64).detach().cpu()
-        value = value.expand(rows.shape) if value.numel() == 1 else value.reshape(rows.shape)
-        value = value.abs().numpy() + self._eps
+        given = torch.as_tensor(priority, dtype=torch.float64).detach().cpu()
+        given = given.expand(rows.shape) if given.numel() == 1 else given.reshape(rows.shape)
+        value = given.abs().numpy() + self._eps
         if not np.isfinite(value).all():
             raise ValueError("priority: every priority must be finite; nothing was written")
-        buf = storage.buffer
+        buf = storage.held()
         buf.update_priorities(_doors.ids_of_rows(buf, rows), value.astype(np.float32))
 
     def mark_update(self, index, *, storage=None) -> None:

@@ -134,7 +134,8 @@ def _ragged(element) -> bool:
 
 def _describe_lazy(stack) -> dict:
     """A ragged lazy stack: each part's columns apart, stacked again by ``build``."""
-    parts, leaves = [], []
+    parts: list[dict] = []
+    leaves: list[list] = []
     for part in stack.tensordicts:
         sub = _describe_td(part, first=len(leaves))
         parts.append(sub)
@@ -147,7 +148,9 @@ def _describe_td(td, first: int = 0) -> dict:
     cls = _class_path(type(td)) if is_tensorclass(td) else None
     inner = td._tensordict if is_tensorclass(td) else td
     root = len(inner.batch_size)
-    nodes, leaves, local = [], [], []
+    nodes: list[list] = []
+    leaves: list[list] = []
+    local: list[list] = []
     for key, value in inner.items(include_nested=True, is_leaf=_stops_at_non_tensor):
         if is_non_tensor(value):
             local.append(_key(key))   # strings and objects: kept by each process (local_part)
@@ -205,7 +208,7 @@ def spec_of(schema: dict) -> dict:
     """The shmbuf ``spec`` of a schema: its leaves' columns and the hidden end column."""
     spec = {col: (tuple(shape), numpy_dtype(torch_dtype(dt)))
             for _, col, dt, shape in schema["leaves"]}
-    spec[END_COLUMN] = ((), np.bool_)
+    spec[END_COLUMN] = ((), np.dtype(np.bool_))
     return spec
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,11 +137,11 @@ class LazyShmStorage(LazyTensorStorage):
 
     FACADE = _control.FACADE
     _ctl: Control = None  # type: ignore[assignment]   # class defaults: close() works early
-    _data = None
+    _data: store.Buffer | None = None
     _data_gen = -1
-    _views = None
+    _views: Any = None   # the storage-shaped TensorDict / tensor / pytree over the columns
     _local = None   # non-tensor entries, kept per process (as LazyTensorStorage keeps them)
-    _schema_cache = None
+    _schema_cache: dict = None  # type: ignore[assignment]  # None until the data is bound
     _finalizer = None
     _pending = None
 
@@ -173,7 +174,7 @@ class LazyShmStorage(LazyTensorStorage):
                                  _local_cursor=torch.full((), -1, dtype=torch.int64))
             # TorchRL's own set, which torch.compile traces; the schema checks are skipped.
             self.__dict__["set"] = LazyTensorStorage.set.__get__(self, type(self))
-        self._attached_entities_list = []
+        self._attached_entities_list: list = []
         self._last_cursor = None
         self.__dict__["_storage_keys"] = None
         self.consolidated = False
@@ -262,6 +263,14 @@ class LazyShmStorage(LazyTensorStorage):
         self._bind(store.attach(ctl.data_name(gen)), gen)
         return self._data
 
+    def held(self) -> store.Buffer:
+        """The data buffer; RuntimeError before the first write."""
+        buf = self._data_buffer()
+        if buf is None:
+            raise RuntimeError(f"LazyShmStorage {self.name!r} holds no data yet: nothing was "
+                               "written to it")
+        return buf
+
     def _bind(self, buf: store.Buffer, gen: int) -> None:
         old, self._data, self._data_gen = self._data, buf, gen
         if old is not None and old is not buf:
@@ -323,7 +332,7 @@ class LazyShmStorage(LazyTensorStorage):
     def _grow(self, schema: dict) -> None:
         """Move the data to a new generation whose schema has new keys (indexed mode:
         TorchRL's storages take new keys at any write); the old columns are copied."""
-        ctl, old = self._ctl, self._data
+        ctl, old = self._ctl, self.held()
         gen = ctl[GEN] + 1
         ctl[GEN] = gen
         buf = self._create_data(schema, old.capacity, self.max_size, INDEXED)
@@ -496,10 +505,9 @@ class LazyShmStorage(LazyTensorStorage):
                     "reading rows of a compressing LazyShmStorage directly (rb[index], "
                     "rb[:], TorchRL's samplers) is not supported yet: sample it with "
                     "shmbuf.compat.torchrl.SliceSampler, which decodes compressed chunks")
-            index = self._stream_index(index)
-            out = self._views[index] if self._data_buffer() is not None else None
-            if out is None:
+            if self._data_buffer() is None:
                 raise RuntimeError("Cannot get elements out of a non-initialized storage.")
+            out = self._views[self._stream_index(index)]
         else:
             out = super().get(index)
         return self._to_device(out)
@@ -514,8 +522,9 @@ class LazyShmStorage(LazyTensorStorage):
     def _stream_index(self, index):
         """Rows of a stream-mode index: slices select the rows that hold a step now."""
         if isinstance(index, slice):
-            rows = np.sort(self._data_buffer().committed_rows())
-            lo, hi, step = index.indices(self._data_buffer().capacity)
+            buf = self.held()
+            rows = np.sort(buf.committed_rows())
+            lo, hi, step = index.indices(buf.capacity)
             if step == 1:
                 rows = rows[(rows >= lo) & (rows < hi)]
             else:
@@ -530,7 +539,7 @@ class LazyShmStorage(LazyTensorStorage):
     def _rand_given_ndim(self, batch_size):
         if self._ctl[MODE] != STREAMS:
             return super()._rand_given_ndim(batch_size)
-        rows = torch.from_numpy(self._data_buffer().committed_rows())
+        rows = torch.from_numpy(self.held().committed_rows())
         pick = rows[torch.randint(0, len(rows), (batch_size,), generator=self._rng)]
         if self.ndim == 1:
             return pick

@@ -178,10 +178,10 @@ class ShmWriter(Writer):
         columns[_schema.END_COLUMN] = ends
         writer = self._writer(storage)
         if traj is not None:
-            last = self._here[3]
+            pid, buf, _, last = self._here  # type: ignore[misc]  # set by _writer
             if last is not None and last != int(traj[0]):
                 writer.end_episode()   # the trajectory of the last batch ended there
-            self._here = self._here[:3] + (int(traj[-1]),)
+            self._here = (pid, buf, writer, int(traj[-1]))
         rows = _doors.append_rows(writer, columns, n)
         storage._bump_mutation_revision()
         index = self._replicate_index(torch.from_numpy(rows))
@@ -209,7 +209,7 @@ class ShmWriter(Writer):
     def _writer(self, storage: LazyShmStorage):
         """This process's shmbuf ``Writer`` on the current data segment."""
         here = self._here
-        buf = storage.buffer
+        buf = storage.held()
         if here is None or here[0] != os.getpid() or here[1] is not buf:
             self._here = here = (os.getpid(), buf, buf.writer(), None)
         return here[2]
