@@ -15,6 +15,7 @@ element's leaf shape (with ``ndim > 1`` that includes the other storage dims).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 
 import numpy as np
@@ -53,6 +54,7 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+@functools.lru_cache(maxsize=None)
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
     """The numpy dtype a column of torch ``dtype`` is kept in (same bytes)."""
     if dtype in _RAW:

@@ -49,19 +49,25 @@ def _length(data) -> int:
 
 def _to_numpy(name: str, value, dtype: str, shape, n: int) -> np.ndarray:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"data[{name}]: expected a tensor, got {type(value).__name__}")
+        raise ValueError(f"data[{name}]: expected a tensor, got {type(value).__name__}; "
+                         "nothing was written")
     if tuple(value.shape) != (n, *shape):
         raise ValueError(f"data[{name}]: shape {tuple(value.shape)} where a batch of {n} "
                          f"steps needs {(n, *shape)}; nothing was written")
-    value = value.detach().to("cpu", _schema.torch_dtype(dtype))
-    raw = _schema.numpy_dtype(value.dtype)
-    if value.dtype in _schema._RAW:
+    stored = _schema.torch_dtype(dtype)
+    if value.dtype != stored and not torch.can_cast(value.dtype, stored):
+        raise ValueError(f"data[{name}]: dtype {_schema.dtype_name(value.dtype)} does not "
+                         f"cast safely to the stored {dtype}; nothing was written")
+    value = value.detach().to("cpu", stored)
+    if stored in _schema._RAW:
+        raw = _schema.numpy_dtype(stored)
         value = value.view(torch.uint16 if raw.itemsize == 2 else torch.uint8)
     return value.contiguous().numpy()
 
 
 def columns_of(schema: dict, data, n: int) -> dict:
-    """``{column: array (n, ...)}`` of a batch, in the storage's dtypes."""
+    """``{column: array (n, ...)}`` of a batch, in the storage's dtypes, after checking
+    that the batch has exactly the storage's keys and shapes (ValueError otherwise)."""
     kind = schema["kind"]
     if kind == "lazy":
         raise TypeError("data: ShmWriter cannot write a lazy stack of differently shaped "
@@ -70,7 +76,19 @@ def columns_of(schema: dict, data, n: int) -> dict:
         values = [data]
     elif kind == "tree":
         values = tree_flatten(data)[0]
+        if len(values) != len(schema["leaves"]):
+            values = []
     else:
+        inner = data._tensordict if is_tensorclass(data) else data
+        values = [inner.get(tuple(key), None) for key, _, _, _ in schema["leaves"]]
+        if len(list(inner.keys(True, True))) != len(values):
+            values = []   # other keys too: said below (non-tensor ones are let through)
+    if not values or any(v is None for v in values):
+        why = _schema.drift(schema, data[0] if is_tensor_collection(data) else
+                            tree_map(lambda x: x[0], data), exact=True)
+        if why is not None:
+            raise ValueError(f"data: {why}; a LazyShmStorage written by ShmWriter keeps the "
+                             "keys, shapes and dtypes of its first batch. Nothing was written")
         inner = data._tensordict if is_tensorclass(data) else data
         values = [inner.get(tuple(key)) for key, _, _, _ in schema["leaves"]]
     return {col: _to_numpy(str(tuple(key)), value, dt, shape, n)
@@ -163,17 +181,10 @@ class ShmWriter(Writer):
         if n == 0:
             raise ValueError("data: extend needs at least one element along dim 0; nothing "
                              "was written")
-        element = data[0] if is_tensor_collection(data) or isinstance(data, torch.Tensor) \
-            else tree_map(lambda x: x[0], data)
         if not storage.initialized:
-            storage._init(element)
-        else:
-            why = _schema.drift(storage._schema_cache, element, exact=True)
-            if why is not None:
-                raise ValueError(f"data: {why}; a LazyShmStorage written by ShmWriter keeps "
-                                 "the keys, shapes and dtypes of its first batch. Nothing was "
-                                 "written")
-        columns = columns_of(storage._schema_cache, data, n)
+            storage._init(data[0] if is_tensor_collection(data) or isinstance(
+                data, torch.Tensor) else tree_map(lambda x: x[0], data))
+        columns = columns_of(storage._schema_cache, data, n)   # checked: nothing written yet
         ends, traj = self._ends(data, n)
         columns[_schema.END_COLUMN] = ends
         writer = self._writer(storage)
