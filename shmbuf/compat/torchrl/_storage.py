@@ -30,12 +30,14 @@ from torch.utils._pytree import tree_map
 from torchrl.data.replay_buffers.storages import LazyTensorStorage
 
 from ..._args import check_int
-from ..._errors import CorruptSegmentError, SegmentExistsError
+from ..._errors import CorruptSegmentError
 from ..._registry import register
 from ...store import buffer as store
 from ...writing.compress import Compress
 from . import _checkpoints, _control, _doors, _schema
-from ._control import CURSOR, GEN, INDEXED, LEN, MODE, NONE, READY, STREAMS, Control
+from ._control import GEN, INDEXED, MODE, NONE, STREAMS, Control
+from ._counters import SharedCounters
+from ._segments import DataSegments
 
 
 def _check_device(device):
@@ -69,32 +71,6 @@ def _element(cursor, data):
     return tree_map(lambda x: x[0], data)
 
 
-class _Cursor:
-    """TorchRL's ``_last_cursor_index_value`` (an ``mp.Value``), kept in the control block."""
-
-    def __init__(self, ctl: Control):
-        self._ctl = ctl
-
-    @property
-    def value(self) -> int:
-        return self._ctl[CURSOR] - 1
-
-    @value.setter
-    def value(self, value: int) -> None:
-        self._ctl[CURSOR] = int(value) + 1
-
-    def get_lock(self):
-        return _NoLock()
-
-
-class _NoLock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
 def _finalize(ctl: Control, owner_pid: int) -> None:
     """The constructing process removes the data segment, whoever made it, then its control."""
     if os.getpid() == owner_pid:
@@ -103,7 +79,7 @@ def _finalize(ctl: Control, owner_pid: int) -> None:
 
 
 @register
-class LazyShmStorage(LazyTensorStorage):
+class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
     """A drop-in for ``torchrl.data.LazyTensorStorage`` whose data lives in shared memory.
 
     The columns are made from the first element written, in whichever
@@ -118,8 +94,13 @@ class LazyShmStorage(LazyTensorStorage):
             the device of the first data); the data itself stays in shared
             memory.
         ndim: storage dims counted by ``max_size``, as TorchRL's.
-        compilable, consolidated, shared_init, cleanup_memmap: accepted for
-            compatibility; the storage is always shared and never compiled.
+        compilable: as TorchRL's: the length, revision and last cursor stay
+            in this process (TorchRL documents such a storage as not
+            shareable) and ``set`` is TorchRL's own, which ``torch.compile``
+            traces (without the schema checks).
+        shared_init: as TorchRL's, the data stays on the CPU (a non-CPU
+            ``device`` is reset, with a warning); the storage is shared either way.
+        consolidated, cleanup_memmap: accepted for compatibility, no effect.
         name: the storage's name (a shmbuf segment name); generated if None.
         compress: a ``shmbuf.Compress`` naming data keys (nested keys
             joined by "."): their cold chunks are kept compressed
@@ -251,121 +232,6 @@ class LazyShmStorage(LazyTensorStorage):
             buffer.close()
             raise
 
-    # -- the data segment ---------------------------------------------------------
-    def _data_buffer(self) -> store.Buffer | None:
-        """This process's handle on the current data segment; None before the first write."""
-        ctl = self._ctl
-        gen = ctl[GEN]
-        if self._data is not None and self._data_gen == gen:
-            return self._data
-        if ctl[READY] != gen + 1:
-            return None
-        self._bind(store.attach(ctl.data_name(gen)), gen)
-        return self._data
-
-    def held(self) -> store.Buffer:
-        """The data buffer; RuntimeError before the first write."""
-        buf = self._data_buffer()
-        if buf is None:
-            raise RuntimeError(f"LazyShmStorage {self.name!r} holds no data yet: nothing was "
-                               "written to it")
-        return buf
-
-    def _bind(self, buf: store.Buffer, gen: int) -> None:
-        old, self._data, self._data_gen = self._data, buf, gen
-        if old is not None and old is not buf:
-            old.close()
-        meta = buf.meta["torchrl"]
-        local = self._local if self._views is None else _schema.take_local(
-            self._schema_cache, self._views)
-        self._schema_cache = meta["schema"]
-        self.max_size = meta["max_size"]
-        self._views = _schema.build(meta["schema"], buf.arrays, buf.capacity)
-        _schema.merge_local(self._views, local)
-        self.__dict__.pop("_total_shape_value", None)
-        self.__dict__["_storage_keys"] = None
-
-    def _rows_for(self, schema: dict) -> tuple[int, int]:
-        """``(rows along dim 0, max_size)`` for elements of ``schema``, as TorchRL rounds."""
-        requested = self._ctl.params["max_size"]
-        if self.ndim == 1:
-            return requested, requested
-        per_row = int(np.prod(schema_batch(schema)[: self.ndim - 1]))
-        rows = -(requested // -per_row)
-        return rows, rows * per_row
-
-    def _create_data(self, schema: dict, rows: int, max_size: int, mode: int):
-        """Create the data segment of the current generation (SegmentExistsError if another
-        process was first); a process that did not construct the storage keeps it for the
-        one that did."""
-        ctl, ours = self._ctl, self.owner
-        buf = store.create(_schema.spec_of(schema), rows, name=ctl.data_name(ctl[GEN]),
-                           done_key=_schema.END_COLUMN, priorities=True,
-                           prefault=mode == INDEXED, overcommit=mode != INDEXED,
-                           compress=self._compress(schema),
-                           handle_signals=None if ours else False,
-                           meta={"torchrl": {"schema": schema, "max_size": max_size,
-                                             "storage": ctl.buffer.name}})
-        if not ours:
-            buf.keep()   # the constructing process removes it (_finalize)
-        return buf
-
-    def _make_data(self, schema: dict, mode: int) -> None:
-        """Create this generation's data segment for ``schema`` or, if another process was
-        first, attach to it and check that the two agree."""
-        ctl = self._ctl
-        gen = ctl[GEN]
-        rows, max_size = self._rows_for(schema)
-        try:
-            buf = self._create_data(schema, rows, max_size, mode)
-        except SegmentExistsError:
-            buf = store.attach(ctl.data_name(gen))
-            theirs = buf.meta["torchrl"]["schema"]
-            why = _schema.compare(theirs, schema, exact=True)
-            if why is not None:
-                buf.close()
-                raise ValueError(f"data: another process wrote the storage first, with "
-                                 f"another schema ({why}); nothing was written") from None
-        self._bind(buf, gen)
-        ctl[READY] = gen + 1
-
-    def _grow(self, schema: dict) -> None:
-        """Move the data to a new generation whose schema has new keys (indexed mode:
-        TorchRL's storages take new keys at any write); the old columns are copied."""
-        ctl, old = self._ctl, self.held()
-        gen = ctl[GEN] + 1
-        ctl[GEN] = gen
-        buf = self._create_data(schema, old.capacity, self.max_size, INDEXED)
-        for name, column in old.arrays.items():
-            buf.arrays[name][...] = column
-        self._bind(buf, gen)
-        ctl[READY] = gen + 1
-        _doors.remove_segment(ctl.data_name(gen - 1))
-
-    def _compress(self, schema: dict) -> Compress | None:
-        conf = self._ctl.params["compress"]
-        if conf is None:
-            return None
-        columns = {".".join(key): col for key, col, _, _ in schema["leaves"]}
-        unknown = [c for c in conf["columns"] if c not in columns]
-        if unknown:
-            raise ValueError(f"compress: keys {unknown} are not in the data (keys "
-                             f"{sorted(columns)}; nested keys are joined by '.')")
-        return Compress([columns[c] for c in conf["columns"]], codec=conf["codec"],
-                        level=conf["level"], hot_steps=conf["hot_steps"])
-
-    def _claim_mode(self, mode: int) -> None:
-        """Fix the storage's mode at its first write; refuse the other one afterwards."""
-        ctl = self._ctl
-        now = ctl[MODE]
-        if now == NONE:
-            ctl[MODE] = mode
-        elif now != mode:
-            raise RuntimeError(
-                f"LazyShmStorage {self.name!r} is written in {_control.MODE_NAMES[now]} "
-                f"mode, so it cannot also be written in {_control.MODE_NAMES[mode]} mode: "
-                "use ShmWriter for every writer of a storage, or TorchRL's writers for all")
-
     # -- what TorchRL keeps per process, shared ---------------------------------------
     @property
     def _storage(self):
@@ -399,60 +265,6 @@ class LazyShmStorage(LazyTensorStorage):
     @initialized.setter
     def initialized(self, value) -> None:
         """TorchRL sets it after ``_init``; here it follows the data segment."""
-
-    @property
-    def _len(self) -> int:
-        if self._compilable:
-            return self.__dict__["_local_len"]
-        ctl = self._ctl
-        if ctl[MODE] != STREAMS:
-            return ctl[LEN]
-        buf = self._data_buffer()
-        if buf is None:
-            return 0
-        return len(buf) * self._per_row()
-
-    @_len.setter
-    def _len(self, value) -> None:
-        if self._compilable:
-            self.__dict__["_local_len"] = value
-        elif self._ctl[MODE] != STREAMS:
-            self._ctl[LEN] = int(value)
-
-    def _per_row(self) -> int:
-        if self.ndim == 1:
-            return 1
-        return int(np.prod(schema_batch(self._schema_cache)[: self.ndim - 1]))
-
-    @property
-    def _mutation_revision(self) -> int:
-        if self._compilable:
-            return super()._mutation_revision
-        return self._ctl.revision()
-
-    def _bump_mutation_revision(self) -> None:
-        if self._compilable:
-            return super()._bump_mutation_revision()
-        self._ctl.bump_revision()
-        return None
-
-    @property
-    def _last_cursor_index_value(self):
-        return self.__dict__["_local_cursor"] if self._compilable else _Cursor(self._ctl)
-
-    @_last_cursor_index_value.setter
-    def _last_cursor_index_value(self, value) -> None:
-        if self._compilable:
-            self.__dict__["_local_cursor"] = value
-
-    @property
-    def _mutation_revision_value(self):
-        return self.__dict__["_local_revision"] if self._compilable else None
-
-    @_mutation_revision_value.setter
-    def _mutation_revision_value(self, value) -> None:
-        if self._compilable:
-            self.__dict__["_local_revision"] = value
 
     # -- TorchRL's storage API --------------------------------------------------------
     def _init(self, data) -> None:
@@ -580,13 +392,6 @@ class LazyShmStorage(LazyTensorStorage):
                 "empty(): a storage written by ShmWriter keeps its steps until they are "
                 "evicted (FIFO per stream); make a new storage instead")
         super()._empty()
-
-
-def schema_batch(schema: dict) -> list:
-    """The element's batch dims under a schema (the first leaf's shape for tensors)."""
-    if "batch" in schema:
-        return schema["batch"]
-    return schema["leaves"][0][3]
 
 
 def attach(name: str) -> LazyShmStorage:
