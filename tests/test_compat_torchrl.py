@@ -148,6 +148,22 @@ def test_a_spawned_child_may_write_first(closing):
     assert not segment_exists(data_name) and not segment_exists(storage.name)
 
 
+def test_a_forked_child_may_write_first_and_removes_nothing(closing):
+    storage = closing(LazyShmStorage(100))
+    rb = stream_rb(storage)
+    out = mp.get_context("fork").Queue()
+    child = mp.get_context("fork").Process(target=workers.write_first_forked, args=(rb, out))
+    child.start()
+    try:
+        owner, index = out.get(timeout=TIMEOUT)
+        child.join(TIMEOUT)
+        assert child.exitcode == 0
+    finally:
+        join_all([child])
+    assert owner is False and storage.owner
+    assert torch.equal(rb[torch.tensor(index)]["obs"], workers.rows(8, 0, 4)["obs"])
+
+
 def test_indices_from_extend_read_the_same_steps_in_another_process(closing):
     storage = closing(LazyShmStorage(100))
     rb = stream_rb(storage)

@@ -57,3 +57,13 @@ def bump_priority(rb, index, out):
     """Set a large priority on the steps at ``index``, from this process."""
     rb.update_priority(torch.tensor(index), torch.full((len(index),), 1000.0))
     out.put("done")
+
+
+def write_first_forked(rb, out):
+    """A forked child (it inherited the storage, unpickled nothing) writes the first batch."""
+    storage = rb.storage
+    index = rb.extend(rows(8, 0, 4))
+    out.put((storage.owner, index.tolist()))
+    del rb, storage
+    import gc
+    gc.collect()   # a child that drops its handles must not remove the parent's data

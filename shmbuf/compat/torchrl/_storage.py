@@ -124,6 +124,7 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
     _local = None   # non-tensor entries, kept per process (as LazyTensorStorage keeps them)
     _schema_cache: dict = None  # type: ignore[assignment]  # None until the data is bound
     _finalizer = None
+    _owner_pid = None   # the constructing process (a forked child is not it)
     _pending = None
 
     def __init__(self, max_size, *, device="cpu", ndim: int = 1, compilable: bool = False,
@@ -136,7 +137,8 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
                   "compress": _check_compress(compress),
                   "compilable": bool(compilable), "shared_init": bool(shared_init)}
         ctl = Control.create(name, params, handle_signals)
-        self._finalizer = weakref.finalize(self, _finalize, ctl, os.getpid())
+        self._owner_pid = os.getpid()
+        self._finalizer = weakref.finalize(self, _finalize, ctl, self._owner_pid)
         self._setup(ctl)
 
     def _setup(self, ctl: Control) -> None:
@@ -174,7 +176,8 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
     @property
     def owner(self) -> bool:
         """True in the process that constructed the storage (it removes the segments)."""
-        return self._finalizer is not None and self._finalizer.alive
+        return (self._finalizer is not None and self._finalizer.alive
+                and self._owner_pid == os.getpid())
 
     @property
     def buffer(self) -> store.Buffer | None:
