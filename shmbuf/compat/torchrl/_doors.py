@@ -5,9 +5,15 @@ which rows a writer's ``extend`` filled and which step ids rows hold;
 shmbuf's public API speaks step ids only through sampling.  Each function
 here is one such need, kept small so that a public door can replace it:
 
-- ``append_rows``: ``Writer.extend`` that also says which rows it wrote;
-- ``ids_of_rows`` / ``rows_of_ids``: between rows and step ids;
-- ``remove_segment``: remove a segment another process created and kept.
+- ``append_rows``: ``Writer.extend`` that also says which rows it wrote
+  (reads ``Writer._room()`` and the stream cursor ``Writer._solo``);
+- ``ids_of_rows``: the step ids of rows (``Buffer._parts.ring.prio().ids``);
+- ``rows_of_ids``: the rows step ids name (the ring's id numbering,
+  ``ticket * chunk_size + offset``);
+- ``remove_segment``: remove a segment another process created and kept
+  (``shmbuf.segment.segment.unlink``, as ``shmbuf rm --force``).
+
+(The registry's way in, ``Buffer._open_segment``, is the one every facade uses.)
 """
 from __future__ import annotations
 
@@ -38,7 +44,7 @@ def append_rows(writer, columns: dict, n: int) -> np.ndarray:
 def ids_of_rows(buffer, rows: np.ndarray) -> np.ndarray:
     """The step ids of the steps the rows hold now (a stale one is refused by its user)."""
     rows = np.ascontiguousarray(rows, np.int64)
-    return buffer._ring.prio().ids(rows)
+    return buffer._parts.ring.prio().ids(rows)
 
 
 def rows_of_ids(buffer, ids: np.ndarray) -> np.ndarray:

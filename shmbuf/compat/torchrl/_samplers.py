@@ -65,7 +65,7 @@ class SliceSampler(_TorchRLSliceSampler):
         if storage.ndim != 1:
             raise RuntimeError(f"SliceSampler: a storage written by ShmWriter is sliced along "
                                f"dim 0 with ndim=1; this one has ndim={storage.ndim}")
-        buf = storage.held()
+        buf = storage._held()
         self._last_storage = storage
         batch = buf.sample_sequences(num_slices, seq_length, time_major=False, ids=True,
                                      select=self._select)
@@ -76,7 +76,7 @@ class SliceSampler(_TorchRLSliceSampler):
         index = torch.from_numpy(_doors.rows_of_ids(buf, ids.reshape(-1)))
         info = self._info(data, num_slices, seq_length)
         info.update(self._weights(buf, ids))
-        storage.stash(index, storage._to_device(data))
+        storage._stash(index, storage._to_device(data))
         return index, info
 
     def _info(self, data, num_slices: int, seq_length: int) -> dict:
@@ -221,7 +221,7 @@ class PrioritizedSliceSampler(SliceSampler):
         value = given.abs().numpy() + self._eps
         if not np.isfinite(value).all():
             raise ValueError("priority: every priority must be finite; nothing was written")
-        buf = storage.held()
+        buf = storage._held()
         buf.update_priorities(_doors.ids_of_rows(buf, rows), value.astype(np.float32))
 
     def mark_update(self, index, *, storage=None) -> None:

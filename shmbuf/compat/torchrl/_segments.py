@@ -55,7 +55,7 @@ class DataSegments:
         self._bind(store.attach(ctl.data_name(gen)), gen)
         return self._data
 
-    def held(self) -> store.Buffer:
+    def _held(self) -> store.Buffer:
         """The data buffer; RuntimeError before the first write."""
         buf = self._data_buffer()
         if buf is None:
@@ -124,7 +124,7 @@ class DataSegments:
     def _grow(self, schema: dict) -> None:
         """Move the data to a new generation whose schema has new keys (indexed mode:
         TorchRL's storages take new keys at any write); the old columns are copied."""
-        ctl, old = self._ctl, self.held()
+        ctl, old = self._ctl, self._held()
         gen = ctl[GEN] + 1
         ctl[GEN] = gen
         buf = self._create_data(schema, old.capacity, self.max_size, INDEXED)

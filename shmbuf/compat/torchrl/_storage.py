@@ -337,7 +337,7 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
     def _stream_index(self, index):
         """Rows of a stream-mode index: slices select the rows that hold a step now."""
         if isinstance(index, slice):
-            buf = self.held()
+            buf = self._held()
             rows = np.sort(buf.committed_rows())
             lo, hi, step = index.indices(buf.capacity)
             if step == 1:
@@ -347,14 +347,14 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
             return torch.from_numpy(rows)
         return index
 
-    def stash(self, index, batch) -> None:
+    def _stash(self, index, batch) -> None:
         """Hand ``batch`` to the next ``get(index)`` (a sampler that already gathered it)."""
         self._pending = (index, batch)
 
     def _rand_given_ndim(self, batch_size):
         if self._ctl[MODE] != STREAMS:
             return super()._rand_given_ndim(batch_size)
-        rows = torch.from_numpy(self.held().committed_rows())
+        rows = torch.from_numpy(self._held().committed_rows())
         pick = rows[torch.randint(0, len(rows), (batch_size,), generator=self._rng)]
         if self.ndim == 1:
             return pick

@@ -220,7 +220,7 @@ class ShmWriter(Writer):
     def _writer(self, storage: LazyShmStorage):
         """This process's shmbuf ``Writer`` on the current data segment."""
         here = self._here
-        buf = storage.held()
+        buf = storage._held()
         if here is None or here[0] != os.getpid() or here[1] is not buf:
             self._here = here = (os.getpid(), buf, buf.writer(), None)
         return here[2]
