@@ -386,3 +386,20 @@ def test_a_run_killed_mid_extend_leaves_its_episode_unfinished_and_unindexed(mak
         list(range(6)), list(range(6, 16))]                # the prefix, asked for
     steps = buf.sample_sequences(200, 3, rng=0)["x"]       # steps mode: B's prefix too
     assert steps.max() == 15 and (np.diff(steps, axis=0) == 1).all()
+
+
+def test_extend_returns_the_rows_its_run_went_to(make_buffer):
+    """Across chunk ends, and after another writer took the chunks between: the rows
+    ``extend`` returns hold the run's steps, in order."""
+    buf = make_buffer({"x": ((), np.int64), "done": ((), np.bool_)}, 64, chunk_size=4)
+    a, b = buf.writer(), buf.writer()
+    got = []
+    for start in (0, 100, 200):
+        x = np.arange(start, start + 7)
+        rows = a.extend(x=x, done=np.zeros(7, bool))
+        b.extend(x=np.full(5, -1), done=np.zeros(5, bool))   # interleaves its own chunks
+        assert rows.dtype == np.int64 and rows.shape == (7,)
+        got.append((rows, x))
+    for rows, x in got:
+        assert (buf.arrays["x"][rows] == x).all()
+        assert np.isin(rows, buf.committed_rows()).all()

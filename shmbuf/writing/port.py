@@ -150,6 +150,18 @@ class StorePort:
         ``shmbuf.load`` made, where the saved buffer's tickets left off."""
         return self._ids.base
 
+    def rows_of_ids(self, ids: np.ndarray) -> np.ndarray:
+        """The rows that this buffer's step ``ids`` (int64, any shape) name: where each
+        step is held while its chunk keeps the claim the id names (check with
+        ``priorities_of`` or a window re-check); -1 where an id is stale for sure.
+
+        Raises:
+            ForeignStepIdsError: an id another buffer issued.
+        """
+        local = self._ids.decode(np.asarray(ids, np.int64))
+        k, n = self.ring.layout.chunk_size, self.ring.layout.n_chunks
+        return np.where(local >= 0, local // k % n * k + local % k, -1)
+
     def first_foreign(self, ids: np.ndarray) -> int | None:
         """The flat index of the first of ``ids`` (int64) that another buffer issued (one
         this buffer refuses, ``ForeignStepIdsError``), or None if it issued them all."""

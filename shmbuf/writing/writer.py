@@ -248,7 +248,7 @@ class Writer:
                                 self._ep_col, self._done_index)
         return None if fast is None else getattr(fast, method)
 
-    def extend(self, **columns: Any) -> None:
+    def extend(self, **columns: Any) -> np.ndarray:
         """Append a run of ``T`` consecutive steps to this writer's stream.
 
         Args:
@@ -261,6 +261,10 @@ class Writer:
         The run is copied with one slice assignment per column and chunk it
         spans, and published once per chunk: a reader sees a prefix of the
         run, never a partial step.
+
+        Returns:
+            The rows the run went to, in order (``(T,)`` int64): rows of
+            ``Buffer.arrays``, holding these steps until writers recycle them.
 
         Raises:
             KeyError: a column is missing or unknown.
@@ -277,12 +281,12 @@ class Writer:
         Example:
             >>> w.extend(obs=frames, action=acts, reward=rews, done=dones)  # (T, ...) each
         """
-        self._extend(columns)
+        return self._extend(columns)
 
-    def _extend(self, columns: dict, unwritten: frozenset = frozenset()) -> None:
+    def _extend(self, columns: dict, unwritten: frozenset = frozenset()) -> np.ndarray:
         """``extend``, leaving the rows of the columns ``unwritten`` as they are (a load
         whose chunk holds them compressed already: ``_claim_next``); their values are
-        neither read nor checked beyond their shape."""
+        neither read nor checked beyond their shape.  Returns the rows written."""
         self._check()
         self._check_names(columns, "extend")
         n = self._run_length(columns)
@@ -300,6 +304,7 @@ class Writer:
             if len(ends):   # a step's episode: the episodes ended before it in the run
                 ep = s.ep[0] + np.cumsum(done) - done
         at = 0
+        rows = np.empty(n, np.int64)
         while at < n:
             try:
                 row, room = s.room(0)
@@ -321,8 +326,10 @@ class Writer:
             self._ep_col[row:row + k] = ep if np.ndim(ep) == 0 else ep[at:at + k]
             here = ends[(ends >= at) & (ends < at + k)] - at
             s.publish_run(0, k, here)
+            rows[at:at + k] = np.arange(row, row + k)
             self._steps += k
             at += k
+        return rows
 
     def _room(self) -> int:
         """Internal (load): steps that still fit this writer's stream's current chunk

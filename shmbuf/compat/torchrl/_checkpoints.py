@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from ..._open import load as _load
-from . import _doors
+from . import _control
 from ._control import GEN, READY, STREAMS
 
 MARK = "shmbuf_torchrl.json"
@@ -66,5 +66,5 @@ def loads(storage, path) -> None:
     storage._bind(buf, gen)
     ctl[READY] = gen + 1
     if old is not None:
-        _doors.remove_segment(old)
+        _control.remove_segment(old)
     storage._bump_mutation_revision()

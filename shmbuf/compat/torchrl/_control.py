@@ -26,8 +26,11 @@ atomic than that: its ``_len`` is a read-modify-write of a shared value):
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
+from ...segment import segment as _segment
 from ...store import buffer as store
 
 FACADE = "torchrl.LazyShmStorage"
@@ -35,6 +38,14 @@ LEN, MODE, GEN, READY, CURSOR = range(5)
 WORDS = 8
 NONE, INDEXED, STREAMS = 0, 1, 2
 MODE_NAMES = {NONE: "empty", INDEXED: "indexed (TorchRL's writers)", STREAMS: "streams (ShmWriter)"}
+
+
+def remove_segment(name: str) -> None:
+    """Mark segment ``name`` closed and remove it, whoever created it (quiet if it is gone):
+    a data segment a worker created and kept, removed by the storage's constructing
+    process (as ``shmbuf rm --force`` would)."""
+    with contextlib.suppress(FileNotFoundError):
+        _segment.unlink(name)
 
 
 class Control:

@@ -22,7 +22,7 @@ from torchrl._utils import _replace_last
 from torchrl.data.replay_buffers.samplers import SliceSampler as _TorchRLSliceSampler
 
 from ... import select
-from . import _doors, _schema
+from . import _schema
 from ._control import MODE, STREAMS
 from ._storage import LazyShmStorage
 
@@ -73,7 +73,7 @@ class SliceSampler(_TorchRLSliceSampler):
         n = num_slices * seq_length
         flat = {col: arr.reshape((n,) + arr.shape[2:]) for col, arr in batch.items()}
         data = _schema.build(storage._schema_cache, flat, n)
-        index = torch.from_numpy(_doors.rows_of_ids(buf, ids.reshape(-1)))
+        index = torch.from_numpy(buf.port.rows_of_ids(ids.reshape(-1)))
         info = self._info(data, num_slices, seq_length)
         info.update(self._weights(buf, ids))
         storage._stash(index, storage._to_device(data))
@@ -222,7 +222,8 @@ class PrioritizedSliceSampler(SliceSampler):
         if not np.isfinite(value).all():
             raise ValueError("priority: every priority must be finite; nothing was written")
         buf = storage._held()
-        buf.update_priorities(_doors.ids_of_rows(buf, rows), value.astype(np.float32))
+        buf.update_priorities(buf.port.step_ids(np.ascontiguousarray(rows, np.int64)),
+                              value.astype(np.float32))
 
     def mark_update(self, index, *, storage=None) -> None:
         """New steps take the default priority by themselves."""

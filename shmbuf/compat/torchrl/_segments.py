@@ -15,7 +15,7 @@ import numpy as np
 from ..._errors import SegmentExistsError
 from ...store import buffer as store
 from ...writing.compress import Compress
-from . import _control, _doors, _schema
+from . import _control, _schema
 from ._control import GEN, INDEXED, MODE, NONE, READY, Control
 
 
@@ -132,7 +132,7 @@ class DataSegments:
             buf.arrays[name][...] = column
         self._bind(buf, gen)
         ctl[READY] = gen + 1
-        _doors.remove_segment(ctl.data_name(gen - 1))
+        _control.remove_segment(ctl.data_name(gen - 1))
 
     def _compress(self, schema: dict) -> Compress | None:
         conf = self._ctl.params["compress"]

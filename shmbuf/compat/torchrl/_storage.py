@@ -34,7 +34,7 @@ from ..._errors import CorruptSegmentError
 from ..._registry import register
 from ...store import buffer as store
 from ...writing.compress import Compress
-from . import _checkpoints, _control, _doors, _schema
+from . import _checkpoints, _control, _schema
 from ._control import GEN, INDEXED, MODE, NONE, STREAMS, Control
 from ._counters import SharedCounters
 from ._segments import DataSegments
@@ -74,7 +74,7 @@ def _element(cursor, data):
 def _finalize(ctl: Control, owner_pid: int) -> None:
     """The constructing process removes the data segment, whoever made it, then its control."""
     if os.getpid() == owner_pid:
-        _doors.remove_segment(ctl.data_name(ctl[GEN]))
+        _control.remove_segment(ctl.data_name(ctl[GEN]))
     ctl.buffer.close()
 
 
@@ -217,7 +217,7 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
     def _open_segment(cls, segment, layout, owner, *, seed=None, own: bool = False,
                       handle_signals: bool | None = None):
         """The storage over an attached control segment (the registry's way in)."""
-        return cls._from_control(store.Buffer._open_segment(
+        return cls._from_control(store.open_segment(
             segment, layout, owner, seed=seed, own=own, handle_signals=handle_signals))
 
     @classmethod

@@ -26,7 +26,7 @@ from tensordict.utils import unravel_key
 from torch.utils._pytree import tree_flatten, tree_map
 from torchrl.data.replay_buffers.writers import Writer
 
-from . import _doors, _schema
+from . import _schema
 from ._control import STREAMS
 from ._storage import LazyShmStorage
 
@@ -193,7 +193,7 @@ class ShmWriter(Writer):
             if last is not None and last != int(traj[0]):
                 writer.end_episode()   # the trajectory of the last batch ended there
             self._here = (pid, buf, writer, int(traj[-1]))
-        rows = _doors.append_rows(writer, columns, n)
+        rows = writer.extend(**columns)
         storage._bump_mutation_revision()
         index = self._replicate_index(torch.from_numpy(rows))
         for entity in storage._attached_entities_iter():
