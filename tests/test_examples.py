@@ -162,7 +162,8 @@ def test_swm_collectors_write_one_shared_buffer_while_the_trainer_samples():
 
 def test_every_example_has_a_test():
     tested = {"quickstart.py", "cartpole_world_model.py", "train_prefetch.py",
-              "offline_dataloader.py", "swm_collectors.py", *FACADE_EXAMPLES}
+              "offline_dataloader.py", "swm_collectors.py", "torchrl_collectors.py",
+              *FACADE_EXAMPLES}
     assert {p.name for p in (ROOT / "examples").glob("*.py")} == tested
 
 

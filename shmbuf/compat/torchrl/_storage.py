@@ -100,7 +100,8 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
             traces (without the schema checks).
         shared_init: as TorchRL's, the data stays on the CPU (a non-CPU
             ``device`` is reset, with a warning); the storage is shared either way.
-        consolidated, cleanup_memmap: accepted for compatibility, no effect.
+        consolidated: accepted for compatibility with TorchRL's signature, no effect.
+        cleanup_memmap: accepted for compatibility with TorchRL's signature, no effect.
         name: the storage's name (a shmbuf segment name); generated if None.
         compress: a ``shmbuf.Compress`` naming data keys (nested keys
             joined by "."): their cold chunks are kept compressed
