@@ -465,14 +465,23 @@ def test_copy_rows_refuses_rows_or_places_outside_its_buffers():
     from shmbuf.protocol import _rows
 
     src, dst = np.arange(40, dtype=np.uint8), np.zeros(8, np.uint8)
+    wide, wide_dst = np.arange(80, dtype=np.uint16), np.zeros(8, np.uint16)
     at = np.zeros(1, np.int64)
-    _rows.copy_rows(src, dst, np.array([[36, 37, 38, 39]]), at, 1, 4, 1)
-    assert dst[:4].tolist() == [36, 37, 38, 39]
+    _rows.copy_rows([(src, dst, 1, 4, 1), (wide, wide_dst, 2, 8, 2)],
+                    np.array([[36, 37, 38, 39]]), at)
+    assert dst[:4].tolist() == [36, 37, 38, 39] and wide_dst[:4].tolist() == [36, 37, 38, 39]
+    dst[:], wide_dst[:] = 0, 0
     for rows, place in (([[37, 38, 39, 40]], 0), ([[-1, 0, 1, 2]], 0), ([[0, 1, 2, 3]], 2),
                         ([[0, 1, 2, 3]], -1)):
         with pytest.raises(ValueError, match="copy_rows: a (row|window) lies outside"):
-            _rows.copy_rows(src, dst, np.array(rows), np.array([place]), 1, 4, 1)
-    assert dst.tolist() == [36, 37, 38, 39, 0, 0, 0, 0]   # nothing was copied
+            _rows.copy_rows([(src, dst, 1, 4, 1)], np.array(rows), np.array([place]))
+    # A bad second column: the first is not copied either (all checked before any copy).
+    with pytest.raises(ValueError, match="copy_rows: a row lies outside"):
+        _rows.copy_rows([(wide, wide_dst, 2, 8, 2), (src, dst, 1, 4, 1)],
+                        np.array([[37, 38, 39, 40]]), at)
+    with pytest.raises(TypeError, match="each column is"):
+        _rows.copy_rows([(src, dst, 1, 4)], np.array([[0, 1, 2, 3]]), at)
+    assert dst.tolist() == [0] * 8 and wide_dst.tolist() == [0] * 8   # nothing was copied
 
 
 def test_step_ids_refuse_rows_outside_the_buffer(filled):

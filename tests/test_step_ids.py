@@ -213,3 +213,42 @@ def test_an_embodied_replay_refuses_another_replays_stepid():
     finally:
         for r in reps:
             r.close()
+
+
+def test_ids_written_into_records_carry_the_tag_and_leave_the_rest_alone(made):
+    # The embodied facade has the store write each id into the first 8 bytes of a
+    # 20-byte record: the same ids sample_sequences returns, the other bytes untouched.
+    buf = new(made)
+    fill(buf, 40)
+    w = buf.port.locate(np.arange(0, 60, 7), 4)
+    ids = buf.port.step_ids(w.rows)
+    assert (ids >> 47 == buf.port.id_tag).all()
+    records = np.full(w.rows.shape + (20,), 0xAB, np.uint8)
+    assert buf.port.step_ids(w.rows, out=records) is records
+    assert (records[..., :8].copy().view(np.int64)[..., 0] == ids).all()
+    assert (records[..., 8:] == 0xAB).all()
+    # An out whose size is no whole number of >= 8-byte records per row is refused, and
+    # nothing is written; so is a bad row.
+    for bad in (np.zeros(w.rows.size * 8 - 1, np.uint8), np.zeros(w.rows.size * 4, np.uint8)):
+        with pytest.raises(ValueError, match="8 or more bytes per row"):
+            buf.port.step_ids(w.rows, out=bad)
+        assert not bad.any()
+    rows = w.rows.copy()
+    rows[-1, -1] = CAPACITY
+    records[...] = 0
+    with pytest.raises(ValueError, match="row out of range"):
+        buf.port.step_ids(rows, out=records)
+    assert not records.any()   # every row is checked before any id is written
+
+
+def test_ids_that_outgrow_their_bits_raise_instead_of_wrapping(made):
+    # A loaded buffer's ids continue the saved one's (base); once ticket * chunk_size
+    # passes 47 bits, an id would run into the tag: sampling ids says so instead.
+    base = (1 << 47) // CHUNK - 2   # two chunks of room
+    buf = new(made, _step_ids={"tag": 77, "base": base, "accept": []})
+    fill(buf, 8, writers=1)
+    assert (buf.sample_sequences(4, 2, ids=True)["ids"] >> 47 == 77).all()
+    fill(buf, 3 * CHUNK, writers=1, start=8)   # claims its third chunk
+    with pytest.raises(OverflowError, match="outgrown 47 bits"):
+        for _ in range(200):   # until a window in the third chunk is drawn
+            buf.sample_sequences(8, 2, ids=True)

@@ -313,10 +313,11 @@ done:
 }
 
 /*
- * unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)
+ * unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None) -> count
  *
  * After an acquire fence, ok[i] = 1 if every used hop of window i still has
  * the seq it had when located, else 0.  hop_chunks is -1 where unused.
+ * Returns how many windows are unchanged.
  */
 static PyObject *
 unchanged(PyObject *self, PyObject *args)
@@ -337,6 +338,7 @@ unchanged(PyObject *self, PyObject *args)
         goto done;
     }
     const int64_t *c = hc.buf, *s = hs.buf;
+    Py_ssize_t count = 0;
     shm_fence(memory_order_acquire);
     for (Py_ssize_t i = 0; i < n; i++) {
         char same = 1;
@@ -359,9 +361,9 @@ unchanged(PyObject *self, PyObject *args)
             }
         }
         ((char *)ok.buf)[i] = same;
+        count += same;
     }
-    result = Py_None;
-    Py_INCREF(result);
+    result = PyLong_FromSsize_t(count);
 done:
     PyBuffer_Release(&mm);
     PyBuffer_Release(&hc);

@@ -84,6 +84,8 @@ from .words import (
     _U32,
 )
 
+_SAMPLES, _SAMPLED_ROWS = COUNTERS["samples"], COUNTERS["sampled_rows"]
+
 # Copy rows of step data into the segment (same bytes as a numpy assignment,
 # with streaming stores for big rows, then a store fence), so that the
 # publish that follows (a store-release) orders them: Writer.extend's copies.
@@ -365,8 +367,9 @@ class Ring:
 
     def count_sample(self, rows: int) -> None:
         """One sample call served, returning ``rows`` steps."""
-        self.bump("samples")
-        self.bump("sampled_rows", rows)
+        mm = self.mm
+        atomic.fetch_add(mm, _SAMPLES, 1)
+        atomic.fetch_add(mm, _SAMPLED_ROWS, rows)
 
     def claimed_rows(self) -> int:
         """Rows of the chunks claimed so far: every committed row lies below it."""
@@ -671,12 +674,13 @@ class Ring:
 
     # -- step ids: the claim's ticket and the row's offset in its chunk -----------------
     def step_ids(self, rows: np.ndarray) -> np.ndarray:
-        """The ids of the steps at physical ``rows`` (any shape; the caller re-checks
-        the chunks' seqs after, as for the rows it read with them).
+        """The untagged ids of the steps at physical ``rows`` (any shape; the caller
+        re-checks the chunks' seqs after, as for the rows it read with them).
 
         Step ``offset`` of the chunk claimed with ticket ``t`` is ``t * chunk_size +
         offset``.  Tickets only grow, so an id never names another step; it is
         stale once its chunk's ticket changed (or the chunk is being recycled).
+        The ids a buffer hands out are these, tagged (``stepids.StepIds.of_rows``).
         """
         rows = np.ascontiguousarray(rows, np.int64)
         out = np.empty(rows.shape, np.int64)

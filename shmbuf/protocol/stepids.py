@@ -30,6 +30,7 @@ import random
 import numpy as np
 
 from .._errors import ForeignStepIdsError
+from . import _rows
 
 TAG_SHIFT = 47
 TAG_MASK = (1 << 16) - 1
@@ -61,14 +62,27 @@ class StepIds:
         return cls(int(entry["tag"]), chunk_size, int(entry.get("base", 0)), accept)
 
     # -- ids out -----------------------------------------------------------------------
-    def encode(self, local: np.ndarray) -> np.ndarray:
-        """Ids of the steps whose ``ticket * chunk_size + offset`` is ``local`` (int64)."""
-        full = local + self.base * self.chunk_size
-        if full.size and int(full.max()) > LOCAL_MASK:
+    def of_rows(self, ring, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The ids of the steps at ``rows`` of ``ring``, tagged as this buffer's, in one
+        pass in C (``_rows.step_ids``).
+
+        ``out``: where they go instead of a new int64 array of the rows' shape: a
+        C-contiguous array with one record per row, each id in the first 8 bytes
+        (native order) of its record, whose other bytes are left as they are.
+
+        Raises:
+            OverflowError: the local part has outgrown its bits.
+        """
+        rows = np.ascontiguousarray(rows, np.int64)
+        if out is None:
+            out = np.empty(rows.shape, np.int64)
+        top = _rows.step_ids(ring.mm, ring.geometry, rows, out, self.base * self.chunk_size,
+                             self.tag << TAG_SHIFT)   # tickets loaded with acquire
+        if top > LOCAL_MASK:
             raise OverflowError(f"step ids of this buffer have outgrown {TAG_SHIFT} bits "
-                                f"(chunk claims * chunk_size reach {int(full.max())}); "
+                                f"(chunk claims * chunk_size reach {top}); "
                                 "save it and load the save to start a new buffer")
-        return full | np.int64(self.tag << TAG_SHIFT)
+        return out
 
     # -- ids in ------------------------------------------------------------------------
     def decode(self, ids: np.ndarray, what: str = "ids", owner: str = "") -> np.ndarray:

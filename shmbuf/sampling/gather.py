@@ -12,6 +12,7 @@ import numpy as np
 
 from .._errors import SampleRetryError
 from ..protocol import _rows
+from .out import array_of, put, result_of
 
 MAX_REDRAWS = 64
 # Time-major, each row of a window goes to its own place in the batch: rows smaller
@@ -32,12 +33,17 @@ def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets
     finder = port.finder
     windows = selector.draw(finder, rng, batch_size, length, tail)
     pending = np.arange(batch_size)
+    raw = port.unpacker is None
     for _ in range(MAX_REDRAWS):
-        gather(port, windows, pending, targets, time_major, batch_size)
-        fresh = finder.still_valid(windows)
-        if fresh.all():
+        if raw:
+            _gather_rows(port, windows.rows, pending, targets, time_major, batch_size)
+        else:
+            gather(port, windows, pending, targets, time_major, batch_size)
+        fresh, every = finder.recheck(windows)
+        if every:
             port.count_sample(batch_size * length)
-            return {k: t.result for k, t in targets.items()}
+            return {k: t if type(t) is np.ndarray else result_of(t)
+                    for k, t in targets.items()}
         pending = pending[~fresh]
         windows = selector.draw(finder, rng, len(pending), length, tail)
     raise SampleRetryError(
@@ -61,35 +67,39 @@ def gather(port, windows, pending, targets, time_major, batch_size) -> None:
 def _gather_rows(port, rows, pending, targets, time_major, batch_size, flags=None) -> None:
     """Copy rows ``rows`` of every target's column; ``flags`` (``Unpacker.flags``, for
     the rows as laid out in the batch) where some chunks are packed.  Raw rows going to
-    a host array are copied by ``_rows.copy_rows``: a window that lies in one
-    chunk is one slice copy per column (batch-major), not a fancy-index gather;
-    time-major, rows under ``_ROW_COPY`` bytes are fancy-indexed."""
+    a host array are copied by one ``_rows.copy_rows`` call for every such column: a
+    window that lies in one chunk is one slice copy per column (batch-major), not a
+    fancy-index gather; time-major, rows under ``_ROW_COPY`` bytes are fancy-indexed."""
     idx = np.ascontiguousarray(rows.T) if time_major else rows
     everything = len(pending) == batch_size
     unpack, views = port.unpacker, port.views
-    if flags is None:
-        rows = np.ascontiguousarray(rows, np.int64)
-        at = np.ascontiguousarray(pending, np.int64)
+    raw = []   # (src, dst, row bytes, window stride, row stride) for one copy_rows call
     for name, target in targets.items():
+        array = target if type(target) is np.ndarray else array_of(target)
         if name == "ids":   # read with the rows, checked by the same seqs after
-            ids = port.step_ids(idx)
-            if everything and target.array is not None:
-                target.array[...] = ids
+            if array is None:
+                put(target, port.step_ids(idx), pending, time_major)
+            elif everything:
+                port.step_ids(idx, out=array)   # int64, or a record with the id first
             else:
-                target.put(ids, pending, time_major)
+                part = np.zeros(idx.shape + array.shape[2:], array.dtype)
+                put(target, port.step_ids(idx, out=part), pending, time_major)
             continue
         src = views[name]
         if flags is not None:
             assert unpack is not None
-            if everything and target.array is not None:
-                unpack.take(name, src, idx, flags, out=target.array)
+            if everything and array is not None:
+                unpack.take(name, src, idx, flags, out=array)
             else:
-                target.put(unpack.take(name, src, idx, flags), pending, time_major)
-        elif target.array is not None and (not time_major or src.strides[0] >= _ROW_COPY):
-            strides = target.array.strides   # (L, B, ...) time-major, else (B, L, ...)
+                put(target, unpack.take(name, src, idx, flags), pending, time_major)
+        elif array is not None and (not time_major or src.strides[0] >= _ROW_COPY):
+            strides = array.strides   # (L, B, ...) time-major, else (B, L, ...)
             window, row = (strides[1], strides[0]) if time_major else strides[:2]
-            _rows.copy_rows(src, target.array, rows, at, src.strides[0], window, row)
-        elif everything and target.array is not None:
-            np.take(src, idx, axis=0, out=target.array, mode="clip")
+            raw.append((src, array, src.strides[0], window, row))
+        elif everything and array is not None:
+            np.take(src, idx, axis=0, out=array, mode="clip")
         else:
-            target.put(np.take(src, idx, axis=0, mode="clip"), pending, time_major)
+            put(target, np.take(src, idx, axis=0, mode="clip"), pending, time_major)
+    if raw:
+        _rows.copy_rows(raw, np.ascontiguousarray(rows, np.int64),
+                        np.ascontiguousarray(pending, np.int64))

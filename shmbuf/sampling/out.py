@@ -1,4 +1,9 @@
-"""Where a sampled batch goes: fresh arrays, or the caller's arrays or tensors."""
+"""Where a sampled batch goes: fresh arrays, or the caller's arrays or tensors.
+
+``prepare_out`` maps each column to its target: a fresh ``np.ndarray``
+(nothing else to know), or a ``_Target`` over the caller's array or tensor.
+``array_of``, ``put`` and ``result_of`` read and write either kind.
+"""
 from __future__ import annotations
 
 from typing import Any
@@ -7,16 +12,15 @@ import numpy as np
 
 
 class _Target:
-    """Where one column of a batch goes: a numpy array, or a tensor via a view."""
+    """Where one column of a batch goes, in the caller's ``out``: a numpy array, or a
+    tensor via a view."""
+
+    __slots__ = ("result", "tensor", "array")
 
     def __init__(self, obj, shape, dtype, name):
         self.result = obj
         self.tensor: Any = None           # a torch.Tensor; torch is imported only if used
         self.array: np.ndarray | None     # None: a tensor off the CPU, written through .tensor
-        if obj is None:
-            self.array = np.empty(shape, dtype)
-            self.result = self.array
-            return
         if type(obj).__module__.startswith("torch"):
             self.tensor = obj
             self.array = obj.numpy() if obj.device.type == "cpu" else None
@@ -47,18 +51,51 @@ class _Target:
         self.tensor[index] = torch.from_numpy(values).to(self.tensor.device)
 
 
-def prepare_out(out, spec, lead, ids: bool = False):
-    """A ``_Target`` per column of a batch with leading dims ``lead`` (and ``"ids"``, int64)."""
+def prepare_out(out, spec, lead, ids=False) -> dict:
+    """Each column's target for a batch with leading dims ``lead``, and ``"ids"``: a
+    fresh array where ``out`` is None, else a ``_Target`` over ``out[name]``.
+
+    ``ids``: False, none; True, int64 step ids; or ``(shape, dtype)`` of a
+    zeroed record per step whose first 8 bytes take its id (``StorePort.step_ids``'
+    ``out``), for a caller's own id layout (fresh arrays only).
+    """
+    if out is None:
+        empty = np.empty
+        targets = {name: empty(lead + shape, dtype) for name, (shape, dtype) in spec.items()}
+        if ids is True:
+            targets["ids"] = empty(lead, np.int64)
+        elif ids:
+            shape, dtype = ids
+            targets["ids"] = np.zeros(lead + shape, dtype)
+        return targets
     if ids:
         spec = dict(spec, ids=((), np.dtype(np.int64)))
-    if out is not None and (not isinstance(out, dict) or out.keys() != spec.keys()):
+    if not isinstance(out, dict) or out.keys() != spec.keys():
         raise ValueError(f"out must be a dict with exactly the keys {sorted(spec)}, "
                          f"got {sorted(out) if isinstance(out, dict) else type(out).__name__}")
-    targets = {}
-    for name, (shape, dtype) in spec.items():
-        obj = None if out is None else out[name]
-        targets[name] = _Target(obj, lead + shape, dtype, name)
-    return targets
+    return {name: _Target(out[name], lead + shape, dtype, name)
+            for name, (shape, dtype) in spec.items()}
+
+
+def array_of(target) -> np.ndarray | None:
+    """The host array a target writes to (None: a tensor off the CPU)."""
+    return target if type(target) is np.ndarray else target.array
+
+
+def put(target, values, pending, time_major) -> None:
+    """Write ``values`` to the batch places ``pending`` of ``target``."""
+    if type(target) is np.ndarray:
+        if time_major:
+            target[:, pending] = values
+        else:
+            target[pending] = values
+        return
+    target.put(values, pending, time_major)
+
+
+def result_of(target):
+    """What the sample call returns for this target (the caller's object, if given)."""
+    return target if type(target) is np.ndarray else target.result
 
 
 def _torch_to_numpy_dtype(dtype):

@@ -77,6 +77,8 @@ class WindowFinder:
         chunks, seqs = np.empty((need, hops), np.int64), np.empty((need, hops), np.int64)
         found, _ = _window_check.find(self.mm, self.geometry, starts, span, length, tail,
                                       need, hops, picked, rows, chunks, seqs, self.preempt)
+        if found == need:
+            return Windows(rows, chunks, seqs)
         return Windows(rows[:found], chunks[:found], seqs[:found])
 
     def valid(self, starts: np.ndarray, length: int, tail: int) -> np.ndarray:
@@ -106,10 +108,14 @@ class WindowFinder:
 
     def still_valid(self, w: Windows) -> np.ndarray:
         """After the copy: True where no chunk of the window was recycled meanwhile."""
+        return self.recheck(w)[0]
+
+    def recheck(self, w: Windows) -> tuple[np.ndarray, bool]:
+        """``(still_valid(w), whether every window is)``, in one pass."""
         ok = np.empty(len(w.rows), np.bool_)
-        _window_check.unchanged(self.mm, self.geometry, w.chunks, w.seqs, w.chunks.shape[1],
-                                ok, self.preempt)
-        return ok
+        same = _window_check.unchanged(self.mm, self.geometry, w.chunks, w.seqs,
+                                       w.chunks.shape[1], ok, self.preempt)
+        return ok, same == len(ok)
 
     def draw(self, rng: np.random.Generator, batch: int, length: int, tail: int = 0) -> Windows:
         """``batch`` windows, uniform over every valid start row, with replacement."""
@@ -121,18 +127,20 @@ class WindowFinder:
         # be invalid, and later rounds grow fourfold.  The sizes depend only
         # on the batch, so a seed gives the same batch on the same contents.
         m = 2 * batch + 16
+        first = None
+        if span:
+            first = self.locate(rng.bit_generator.random_raw(min(m, cap)), length, tail,
+                                batch, span)
+            if len(first.rows) == batch:
+                return first   # the usual case: round 0 found them all (as in_rounds would)
 
         def proposed(round_, need):
-            if not span:
-                return None
+            if round_ == 0 or not span:
+                return first
             raw = rng.bit_generator.random_raw(min(m << 2 * round_, cap))
             return self.locate(raw, length, tail, need, span)
 
-        first = proposed(0, batch)
-        if first is not None and len(first.rows) == batch:
-            return first   # the usual case: round 0 found them all (as in_rounds would)
-        need = in_rounds(found, batch, lambda round_, need: (
-            first if round_ == 0 else proposed(round_, need)), _ROUNDS)
+        need = in_rounds(found, batch, proposed, _ROUNDS)
         need = in_rounds(found, need, lambda _, need: self.locate(
             self._valid_starts(rng, need, length, tail), length, tail, need), _ROUNDS)
         return enough(found, need, batch, f"windows of length {length}")

@@ -134,10 +134,13 @@ class StorePort:
         self.ring.count_sample(rows)
 
     # -- steps --------------------------------------------------------------------------
-    def step_ids(self, rows: np.ndarray) -> np.ndarray:
+    def step_ids(self, rows: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """The step ids of the steps at ``rows`` (re-check their windows after): every id
-        the buffer hands out is made here, tagged as its own (``protocol.stepids``)."""
-        return self._ids.encode(self.ring.step_ids(rows))
+        the buffer hands out is made here, tagged as its own (``protocol.stepids``).
+
+        ``out``: a C-contiguous array with one record per row to write them into, each
+        id in its record's first 8 bytes (``StepIds.of_rows``); returned."""
+        return self._ids.of_rows(self.ring, rows, out)
 
     @property
     def id_tag(self) -> int:
