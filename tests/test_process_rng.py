@@ -170,6 +170,26 @@ def test_a_pickled_stream_carries_its_rank(monkeypatch):
         stream_seed(7, (RANK, 2, CHILD, os.getpid()))).integers(1 << 60)
 
 
+def test_rank_is_read_once_per_process_by_each_stream(monkeypatch):
+    import os
+
+    from shmbuf.sampling.rng import RANK
+
+    # A launcher sets RANK before the process starts; a stream that drew already keeps
+    # its rank (and its place in its stream) if the variable changes later, and a new
+    # stream reads it anew.
+    monkeypatch.setenv("RANK", "2")
+    kept = ProcessRandom(7, owner_pid=os.getpid(), name="test-rank-once")
+    first = kept.get().integers(1 << 60, size=2)
+    assert first[0] == np.random.default_rng(stream_seed(7, (RANK, 2))).integers(1 << 60)
+    monkeypatch.setenv("RANK", "5")
+    assert kept.get().integers(1 << 60) == np.random.default_rng(
+        stream_seed(7, (RANK, 2))).integers(1 << 60, size=3)[2]
+    fresh = ProcessRandom(7, owner_pid=os.getpid(), name="test-rank-once")
+    assert fresh.get().integers(1 << 60) == np.random.default_rng(
+        stream_seed(7, (RANK, 5))).integers(1 << 60)
+
+
 @pytest.mark.parametrize("bad", ["x", "-1", "1.5"])
 def test_a_bad_rank_variable_is_named(monkeypatch, bad):
     monkeypatch.setenv("RANK", bad)

@@ -51,10 +51,11 @@ process draws what it drew before.  A process's rank is
 (looked up only if torch is imported already: this module never imports
 it); else, in a process that received the object by pickle (a spawned
 DataLoader worker), the rank of the process that pickled it; else the
-``RANK`` environment variable (torchrun, Lightning and Accelerate set it);
-else none.  Everything in the tables is a function of the seeds, the rank
-and the worker ids, so a rerun of a job with the same seeds repeats each
-rank's batches (but for the pid-keyed places, as before).  ``prefetch``
+``RANK`` environment variable (torchrun, Lightning and Accelerate set it
+before the process starts; each object reads it once per process); else
+none.  Everything in the tables is a function of the seeds, the rank and
+the worker ids, so a rerun of a job with the same seeds repeats each rank's
+batches (but for the pid-keyed places, as before).  ``prefetch``
 and ``sample_sequences`` without ``rng=`` draw from the process's stream,
 so they follow the same rule.
 """
@@ -90,10 +91,14 @@ def current_place(owner_pid: int, rank: int | None = None) -> tuple:
     return prefix + (CHILD, os.getpid())
 
 
-def current_rank(pickled: int | None = None) -> int | None:
+_READ = object()   # current_rank(env=...): read RANK now
+
+
+def current_rank(pickled: int | None = None, env=_READ) -> int | None:
     """This process's data-parallel rank, or None (the module docstring's rule).
 
     ``pickled``: the rank of the process that pickled the asking object, if any.
+    ``env``: ``env_rank()`` as the caller read it already (read now by default).
 
     Raises:
         ValueError: no process group here and ``RANK`` is not an int >= 0.
@@ -103,6 +108,15 @@ def current_rank(pickled: int | None = None) -> int | None:
         return int(dist.get_rank())
     if pickled is not None:
         return pickled
+    return env_rank() if env is _READ else env
+
+
+def env_rank() -> int | None:
+    """The ``RANK`` environment variable as an int, or None if it is unset.
+
+    Raises:
+        ValueError: ``RANK`` is set but not an int >= 0.
+    """
     env = os.environ.get("RANK", "").strip()
     if not env:
         return None
@@ -148,21 +162,35 @@ class ProcessRandom:
         self.name = name
         self.shared = shared
         self._pickled_rank = rank
+        self._env: tuple[int, int | None] = (-1, None)   # (pid, RANK) read in that process
         self._key: tuple[int, int | None, int | None] | None = None
         self._gen: np.random.Generator = None  # type: ignore[assignment]  # made by the first get()
 
     def get(self) -> np.random.Generator:
         """This process's generator."""
+        pid = os.getpid()
+        key = self._key
+        modules = sys.modules
+        if (key is not None and key[0] == pid and key[1] is None
+                and "torch.utils.data" not in modules and "torch.distributed" not in modules):
+            return self._gen   # the usual case: the same plain process, torch not in it
         info = _worker_info()
-        key = (os.getpid(), None if info is None else info.seed, self._rank())
+        key = (pid, None if info is None else info.seed, self._rank(pid))
         if key != self._key:
             self._gen = self._make(key)
             self._key = key
         return self._gen
 
-    def _rank(self) -> int | None:
-        """This process's rank, for a seeded stream only (an unseeded one ignores it)."""
-        return None if self.seed is None else current_rank(self._pickled_rank)
+    def _rank(self, pid: int | None = None) -> int | None:
+        """This process's rank, for a seeded stream only (an unseeded one ignores it).
+        ``RANK`` is read once per process (launchers set it before the process starts);
+        a process group is looked for every time."""
+        if self.seed is None:
+            return None
+        pid = os.getpid() if pid is None else pid
+        if self._env[0] != pid:
+            self._env = (pid, env_rank())
+        return current_rank(self._pickled_rank, self._env[1])
 
     def _make(self, key) -> np.random.Generator:
         if self.seed is None:
