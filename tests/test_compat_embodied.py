@@ -76,6 +76,9 @@ def test_keys_and_shapes(make):
     assert data["image"].shape == (3, 5, 8, 8, 3) and data["image"].dtype == np.uint8
     assert data["action"].shape == (3, 5, 4)
     assert data["stepid"].shape == (3, 5, 20) and data["stepid"].dtype == np.uint8
+    # A stepid is the store's step id (its buffer's tag in it), then 12 zero bytes.
+    ids = data["stepid"][..., :8].copy().view(np.int64)[..., 0]
+    assert (ids >> 47 == r.buffer.port.id_tag).all() and not data["stepid"][..., 8:].any()
 
 
 @pytest.mark.parametrize("length,workers,capacity",

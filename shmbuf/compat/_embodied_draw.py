@@ -21,7 +21,6 @@ import os
 
 import numpy as np
 
-from ..sampling.out import prepare_out
 from ..sampling.windows import Windows, enough, in_rounds
 
 _ROUNDS = 64
@@ -42,12 +41,18 @@ class Items:
     def __init__(self, buffer, length: int, capacity: int):
         self.buffer, self.length, self.capacity = buffer, length, capacity
         self.port = buffer.port
+        self.made = buffer.serial_count   # items made by every process (raises once closed)
         arrays = buffer.arrays
         self.item, self.stream, self.pos = arrays["item"], arrays["stream"], arrays["pos"]
 
     def core(self, selector, rng, n: int) -> Windows:
         """``n`` windows a ``shmbuf.select`` selector draws (evicted items included)."""
         return self.port.draw(selector, rng, n, self.length)
+
+    def uniform(self, rng, n: int) -> Windows:
+        """``n`` windows uniform over every valid start (``core(Uniform(), ...)``,
+        straight to the port's finder: the draw every uniform sample makes)."""
+        return self.port.finder.draw(rng, n, self.length)
 
     def fresh(self, w: Windows) -> np.ndarray:
         """Per window of ``w``: True if one of its steps never got a priority (in the
@@ -62,27 +67,30 @@ class Items:
         ids = self.port.step_ids(w.rows)
         self.buffer.update_priorities(ids, np.zeros(ids.shape, np.float32))
 
-    def sample(self, draw: Draw, batch: int, spec: dict) -> dict:
-        """``batch`` windows ``draw`` picks, gathered batch-major (the columns of ``spec``,
-        and ``"ids"``) through the store's copy and seqlock re-check: a window recycled
-        while it was copied is drawn again, exactly as for ``sample_sequences``."""
-        port = self.buffer.port   # this handle is open ...
-        port.check_live()         # ... and no process closed the buffer
-        targets = prepare_out(None, spec, (batch, self.length), ids=True)
-        return port.sample(draw, port.random.get(), batch, self.length, targets)
-
-    def made(self) -> int:
-        return self.buffer.serial_count()
+    def sample(self, draw: Draw, batch: int, targets: dict) -> None:
+        """Fill ``targets`` (``prepare_out``'s fresh arrays for ``batch`` windows,
+        batch-major, ``"ids"`` included) with the windows ``draw`` picks, through the
+        store's copy and seqlock re-check: a window recycled while it was copied is
+        drawn again, exactly as for ``sample_sequences``."""
+        port = self.port
+        port.check_live()   # no process closed the buffer (the caller's made() checked
+        port.sample(draw, port.random.get(), batch, self.length, targets)   # this handle)
 
     def live(self) -> tuple[int, int]:
         """(oldest live serial, serials made): the live items are ``[lo, made)``."""
         made = self.made()
         return max(0, made - self.capacity), made
 
-    def keep_live(self, w: Windows) -> Windows:
-        lo, _ = self.live()
-        keep = self.item[w.rows[:, -1]] >= lo
-        return w if keep.all() else w.take(keep)
+    def keep_live(self, w: Windows, made: int | None = None) -> Windows:
+        """The windows of ``w`` whose item is live (its serial, on its last step, is
+        among the newest ``capacity`` of the ``made`` so far; ``made()`` if None)."""
+        lo = (self.made() if made is None else made) - self.capacity
+        if lo <= 0 or not len(w.rows):
+            return w   # no item was evicted yet
+        last = self.item[w.rows[:, -1]]
+        if np.minimum.reduce(last) >= lo:
+            return w
+        return w.take(last >= lo)
 
     def by_serial(self, serials: np.ndarray) -> Windows:
         """The windows of the items ``serials`` names that are still held (others dropped)."""
@@ -159,12 +167,15 @@ class Draw:
     ``pick(items, rng, n)`` of a facade selector returns located windows;
     this loop keeps the live ones and asks again for the rest.  The store's
     ``finder`` it is called with is the one ``Items.port`` draws through.
+    ``made``: the items made when the sample began (``Items.made()``), which
+    fixes the live ones for the whole draw; read at each round if None.
     """
 
-    def __init__(self, items: Items, selector, queued=None):
-        self.items, self.selector, self.queued = items, selector, queued
+    def __init__(self, items: Items, selector, queued=None, made: int | None = None):
+        self.items, self.selector, self.queued, self.made = items, selector, queued, made
 
     def draw(self, finder, rng, n, length, tail):
+        items, made = self.items, self.made
         found: list[Windows] = []
         need = n
         take: list[int] = []
@@ -174,20 +185,23 @@ class Draw:
             except IndexError:   # another sampling thread took the last one
                 break
         if take:
-            w = self.items.keep_live(self.items.by_serial(np.array(take)))
+            w = items.keep_live(items.by_serial(np.array(take)), made)
             found.append(w)
             need -= len(w.rows)
+        if not need:
+            return enough(found, need, n, f"live items of length {length}")
+        first = items.keep_live(self.selector.pick(items, rng, need), made)
+        if not found and len(first.rows) == need:
+            return first   # the usual case: round 0 found them all (as in_rounds would)
+
         # Drawn windows of evicted items are dropped: ask for more as rounds fail.
         def picked(round_, need):
-            return self.items.keep_live(
-                self.selector.pick(self.items, rng, need << min(2 * round_, 12)))
+            if round_ == 0:
+                return first
+            return items.keep_live(self.selector.pick(items, rng, need << min(2 * round_, 12)),
+                                   made)
 
-        if need:
-            first = picked(0, need)
-            if not found and len(first.rows) == need:
-                return first   # the usual case: round 0 found them all (as in_rounds would)
-            need = in_rounds(found, need, lambda round_, need: (
-                first if round_ == 0 else picked(round_, need)), _ROUNDS)
+        need = in_rounds(found, need, picked, _ROUNDS)
         return enough(found, need, n, f"live items of length {length}")
 
 

@@ -51,7 +51,7 @@ class Uniform(Selector):
         self.seed = _seed("Uniform", seed)
 
     def pick(self, items, rng, n):
-        return items.core(_UNIFORM, rng, n)
+        return items.uniform(rng, n)
 
     def __repr__(self):
         return f"Uniform(seed={self.seed})"

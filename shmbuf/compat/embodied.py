@@ -28,6 +28,7 @@ from .._errors import (
 )
 from ..posix import procs as _procs
 from ..posix import signals as _signals
+from ..sampling.out import prepare_out
 from ..segment import segment as _segment
 from ..store import buffer as store
 from ..store.reads import checked_priorities
@@ -359,21 +360,26 @@ class Replay(Facade):
             raise ValueError(f"sample: mode must be 'train', 'report' or 'eval', got {mode!r}")
         if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
             raise ValueError(f"sample: batch must be an int >= 1, got {batch!r}")
-        self._wait_items()
+        items = self._items
+        made = 0 if items is None else items.made()
+        if not made:
+            self._wait_items()
+            items = self._items
+            made = items.made()  # type: ignore[union-attr]  # bound once an item exists
         queued = None
         if self.online and mode == "train":
             # Upstream's online queue, fed by every process: the items made since this
             # handle last looked whose last step's stream position is a multiple of length.
-            found, self._online_seen = self._items.online(self._online_seen)  # type: ignore[union-attr]
+            found, self._online_seen = items.online(self._online_seen)  # type: ignore[union-attr]
             self._queue.extend(found)
             queued = self._queue
-        out = self._items.sample(draw.Draw(self._items, self.selector, queued),  # type: ignore[union-attr, arg-type]  # bound once the buffer exists
-                                 int(batch), self._spec)
-        ids = out.pop("ids")
-        data = {k: out[self._columns[k]] for k, _, _ in self._keys}
-        data["stepid"] = _stepids(ids)
+        batch = int(batch)
+        targets = prepare_out(None, self._spec, (batch, self.length), ids=_STEPID)
+        data = {k: targets[self._columns[k]] for k, _, _ in self._keys}
+        data["stepid"] = targets["ids"]
+        items.sample(draw.Draw(items, self.selector, queued, made), batch, targets)  # type: ignore[union-attr, arg-type]  # bound once the buffer exists
         if mode == "train":
-            self._counts["samples"] += int(batch)
+            self._counts["samples"] += batch
         return _annotated(data)
 
     def _wait_items(self) -> None:
@@ -452,7 +458,7 @@ class Replay(Facade):
             raise ValueError(f"update: stepid must be (batch, length, 20) uint8 as sample() "
                              f"returns it, got shape {stepid.shape} dtype {stepid.dtype}")
         flat = np.ascontiguousarray(stepid).reshape(-1, 20)
-        ids = flat[:, :8].copy().view("<i8").reshape(stepid.shape[:2])
+        ids = flat[:, :8].copy().view(np.int64).reshape(stepid.shape[:2])
         # The step ids carry their buffer's tag (the core's rule, protocol.stepids).
         at = self.buffer.port.first_foreign(ids)
         if at is not None:
@@ -674,15 +680,9 @@ def _schema_of_spec(spec) -> list:
     return out
 
 
-# A stepid's 20 bytes: the store's step id (its buffer's tag included), zeros.
-_STEPID = np.dtype([("id", "<i8"), ("zero", "V12")])
-
-
-def _stepids(ids: np.ndarray) -> np.ndarray:
-    """``(B, T, 20)`` uint8: the store's step id (8 bytes, its buffer's tag included), zeros."""
-    out = np.zeros(ids.shape, _STEPID)
-    out["id"] = ids
-    return out.view(np.uint8).reshape(ids.shape + (20,))
+# A stepid's 20 bytes: the store's step id (8 bytes in native order, its buffer's tag
+# included), then zeros; sample() has the store write the ids straight into them.
+_STEPID = ((20,), np.dtype(np.uint8))
 
 
 def _annotated(data: dict) -> dict:
