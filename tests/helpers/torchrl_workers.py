@@ -67,3 +67,23 @@ def write_first_forked(rb, out):
     del rb, storage
     import gc
     gc.collect()   # a child that drops its handles must not remove the parent's data
+
+
+def picture_rows(writer: int, first: int, n: int) -> TensorDict:
+    """``rows`` with a large picture (64x64, one value a step) under a nested key too: a
+    chunk of a few steps spans whole pages, which a compressing storage gives back."""
+    data = rows(writer, first, n)
+    step = torch.arange(first, first + n)
+    data["next", "pixels"] = (step % 239).to(torch.uint8)[:, None, None].expand(
+        n, 64, 64).clone()
+    return data
+
+
+def read_index(storage, index, out):
+    """Report ``storage[index]`` (obs, pixels, nested pixels) and ``storage[:]``'s, read
+    in this process."""
+    parts = []
+    for got in (storage[index], storage[:]):
+        parts.append([got[key].tolist() for key in ("obs", "pixels", ("next", "pixels"))])
+    out.put(parts)
+
