@@ -1,10 +1,12 @@
-"""``LazyShmStorage`` written by ``ShmWriter``: reading rows of a compressing storage.
+"""``LazyShmStorage`` written by ``ShmWriter``: reading rows of a compressing storage, and
+``empty()``.
 
 A compressing storage keeps its cold chunks packed, their raw pages given
 back, so ``storage[index]`` reads every row through the store and decodes it;
 each test compares it with an uncompressed twin fed the same batches, after
 checking that the raw columns really differ (packed chunks read as zeros
-there).
+there).  ``empty()`` moves the data to a new segment that every process
+follows.
 """
 import multiprocessing as mp
 import os
@@ -28,7 +30,13 @@ from torchrl.data import (  # noqa: E402
 )
 
 import shmbuf  # noqa: E402
-from shmbuf.compat.torchrl import LazyShmStorage, ShmWriter  # noqa: E402
+from shmbuf.compat import torchrl as shmrl  # noqa: E402
+from shmbuf.compat.torchrl import (  # noqa: E402
+    LazyShmStorage,
+    PrioritizedSliceSampler,
+    ShmWriter,
+    SliceSampler,
+)
 
 TIMEOUT = 60
 SPAWN = mp.get_context("spawn")
@@ -282,3 +290,243 @@ def test_bad_indices_name_the_index(closing):
                          (torch.tensor([0.5]), TypeError), (..., TypeError), (True, TypeError)):
         with pytest.raises(error, match="index"):
             packed[index]
+
+
+# -- empty() --------------------------------------------------------------------------------
+def test_empty_renews_the_data_for_every_handle(closing):
+    storage = closing(LazyShmStorage(1000))
+    rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), batch_size=8,
+                                sampler=SliceSampler(slice_len=4))
+    other = closing(shmrl.attach(storage.name))       # a second handle, written before too
+    orb = TensorDictReplayBuffer(storage=other, writer=ShmWriter(), batch_size=8,
+                                 sampler=SliceSampler(slice_len=4))
+    rb.extend(workers.rows(0, 0, 100))
+    orb.extend(workers.rows(1, 0, 50))
+    old, revision = storage.buffer.name, storage._mutation_revision
+    assert len(orb) == 150 and rb.write_count == 150
+    rb.empty()
+    assert not segment_exists(old) and segment_exists(storage.buffer.name)
+    assert storage._mutation_revision > revision
+    for buffer in (rb, orb):
+        assert len(buffer) == 0 and buffer.write_count == 0 and len(buffer[:]) == 0
+        with pytest.raises(shmbuf.NotEnoughDataError):
+            buffer.sample()
+    assert other.buffer.name == storage.buffer.name
+    index = orb.extend(workers.rows(2, 0, 30))        # the other handle's writer moves over
+    index = torch.cat([index, rb.extend(workers.rows(3, 0, 20))])
+    assert len(rb) == 50 and rb.write_count == 50
+    assert sorted(rb[:]["obs"][:, 0].tolist()) == [2] * 30 + [3] * 20
+    assert torch.equal(rb[index]["obs"], torch.cat([workers.rows(2, 0, 30)["obs"],
+                                                    workers.rows(3, 0, 20)["obs"]]))
+    assert set(orb.sample()["obs"][:, 0].tolist()) <= {2, 3}
+    orb.empty(empty_write_count=False)                # the count goes on
+    assert len(rb) == 0 and rb.write_count == 50
+    rb.extend(workers.rows(4, 0, 5))
+    assert rb.write_count == 55
+
+
+def test_empty_resets_shared_priorities_and_compressed_data(closing):
+    storage = closing(LazyShmStorage(2048, compress=shmbuf.Compress(PACKED, hot_steps=64)))
+    sampler = PrioritizedSliceSampler(2048, alpha=1.0, beta=0.5, slice_len=5)
+    rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), sampler=sampler,
+                                batch_size=20)
+    for b in range(30):
+        rb.extend(workers.picture_rows(1, 50 * b, 50))
+    storage.buffer.compact()
+    assert storage.buffer.stats().compression.compressed_chunks > 0
+    rb.empty()
+    assert len(rb) == 0 and storage.buffer.stats().compression.compressed_chunks == 0
+    index = torch.cat([rb.extend(workers.picture_rows(w, 0, 100)) for w in (2, 3)])
+    rb.update_priority(index, torch.cat([torch.full((100,), 1e-6), torch.ones(100)]))
+    drawn = rb.sample()
+    assert_whole(drawn, writer=3)
+    assert_whole(rb[:])
+
+
+def test_new_keys_move_indexed_data_to_a_new_segment(closing):
+    storage = closing(LazyShmStorage(40))
+    rb = TensorDictReplayBuffer(storage=storage)
+    rb.extend(workers.rows(0, 0, 10))
+    first = storage.buffer.name
+    rb.extend(workers.rows(0, 10, 5).set("extra", torch.ones(5)))   # new keys: a new segment
+    assert not segment_exists(first) and storage.buffer.name != first
+    assert torch.equal(rb[:15]["obs"], workers.rows(0, 0, 15)["obs"])
+    other = closing(shmrl.attach(storage.name))
+    assert (rb[10:15]["extra"] == 1).all() and other[:15]["extra"].sum() == 5
+    rb.empty()
+    assert len(rb) == 0
+
+
+class _EmptyAt:
+    """Runs ``action`` right before the ``k``-th call of a function under ``where`` (a
+    folder of shmbuf) during a call, as if another process had emptied the storage there."""
+
+    def __init__(self, k: int, action, where: str):
+        self.k, self.action, self.calls, self.fired = k, action, 0, False
+        self.where = where
+
+    def __call__(self, frame, event, arg):
+        if event != "call" or not frame.f_code.co_filename.startswith(self.where):
+            return
+        if self.calls == self.k:
+            self.fired = True
+            sys.setprofile(None)
+            try:
+                self.action()
+            finally:
+                sys.setprofile(self)
+        self.calls += 1
+
+
+SHMBUF_DIR = os.path.dirname(shmbuf.__file__)
+FACADE_DIR = os.path.dirname(shmrl.__file__)
+
+
+def _emptied_during(call, k: int, action, where: str = SHMBUF_DIR):
+    """``(call's result, or the NotEnoughDataError it raised; whether action ran)``."""
+    hook = _EmptyAt(k, action, where)
+    sys.setprofile(hook)
+    try:
+        return call(), hook.fired
+    except shmbuf.NotEnoughDataError as exc:
+        return exc, hook.fired
+    finally:
+        sys.setprofile(None)
+
+
+def test_an_empty_at_any_point_of_an_extend_or_a_sample_in_another_handle(closing):
+    """Another handle (as another process would) empties the storage at each point of one
+    extend, then of one sample: the batch goes whole to the new data or with the old,
+    and a sample draws from the old data or finds the new one empty; nothing raises."""
+    storage = closing(LazyShmStorage(1000))
+    ours = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), batch_size=8,
+                                  sampler=SliceSampler(slice_len=4))
+    theirs = TensorDictReplayBuffer(storage=closing(shmrl.attach(storage.name)),
+                                    writer=ShmWriter())
+    ours.extend(workers.rows(1, 0, 10))
+    batch = workers.rows(2, 0, 30)
+    k = 0
+    while True:
+        index, fired = _emptied_during(lambda: ours.extend(batch), k, theirs.empty)
+        assert len(ours) in (10, 30, 40) if not fired else len(ours) in (0, 30)
+        if len(ours) == 30:
+            assert torch.equal(ours[index]["obs"], batch["obs"])
+            assert torch.equal(ours[:]["obs"], batch["obs"])
+        if not fired:
+            break
+        k += 1
+    extends = k
+    k = 0
+    while True:
+        theirs.extend(workers.rows(3, 0, 12))
+        drawn, fired = _emptied_during(ours.sample, k, theirs.empty)
+        if isinstance(drawn, Exception):
+            assert fired and len(ours) == 0
+        else:
+            assert (drawn["obs"][:, 0] == 3).all() and drawn["obs"].shape == (8, 3)
+        if not fired:
+            break
+        k += 1
+    assert extends > 10 and k > 10
+
+
+@pytest.mark.parametrize("first", ["owner", "attached"])
+def test_a_first_write_racing_a_write_and_an_empty_elsewhere(first):
+    """While one handle (the constructing one, or one attached by name) makes the data
+    segment at its first write, another writes and empties, at each point: no segment
+    is left behind, and the batch is held whole in the current data or not at all."""
+    batch, k = workers.rows(2, 0, 30), 0
+    while True:
+        with LazyShmStorage(1000) as storage, shmrl.attach(storage.name) as other:
+            handles = (storage, other) if first == "owner" else (other, storage)
+            ours, theirs = (TensorDictReplayBuffer(storage=h, writer=ShmWriter())
+                            for h in handles)
+
+            def elsewhere():
+                theirs.extend(workers.rows(3, 0, 5))  # noqa: B023 - runs inside this loop
+                theirs.empty()                        # noqa: B023
+
+            # Points in the facade only: inside store.create the other handle would wait
+            # for a header this one, frozen here, never writes (another process would).
+            _, fired = _emptied_during(lambda: ours.extend(batch), k,  # noqa: B023
+                                       elsewhere, FACADE_DIR)
+            assert len(ours) in (0, 30) if fired else len(ours) == 30
+            if len(ours):
+                assert torch.equal(ours[:]["obs"], batch["obs"])
+            held = [n for n in os.listdir("/dev/shm") if n.startswith(storage.name + ".")]
+            assert held == [storage.buffer.name]
+        if not fired:
+            break
+        k += 1
+    assert k > 10
+
+
+def test_a_spawned_process_follows_empty(closing):
+    storage = closing(LazyShmStorage(1000))
+    rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), batch_size=8,
+                                sampler=SliceSampler(slice_len=4))
+    commands, replies = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=workers.serve, args=(rb, commands, replies))
+    child.start()
+
+    def ask(*command):
+        commands.put(command)
+        return replies.get(timeout=TIMEOUT)
+
+    try:
+        ask("extend", 7, 0, 100)                      # its writer and sampler bind the data
+        assert len(ask("sample")) == 8 and ask("len") == 100 and len(rb) == 100
+        old = storage.buffer.name
+        rb.empty()
+        assert not segment_exists(old)
+        assert ask("len") == 0 and ask("read") == [] and ask("sample") == "NotEnoughDataError"
+        index = ask("extend", 8, 0, 60)               # lands in the new generation
+        assert len(rb) == 60 and rb[torch.tensor(index)]["obs"].tolist() == \
+            workers.rows(8, 0, 60)["obs"].tolist()
+        assert {row[0] for row in ask("sample")} == {8}
+        assert {row[0] for row in rb.sample()["obs"].tolist()} == {8}
+        commands.put(("stop",))
+        child.join(TIMEOUT)
+        assert child.exitcode == 0
+    finally:
+        join_all([child])
+
+
+def test_an_extend_racing_empty_is_kept_whole_or_dropped(closing):
+    """A spawned writer extends batch after batch while this process empties the storage
+    again and again: the batches held at the end are each whole, none split."""
+    batch = 40
+    storage = closing(LazyShmStorage(20_000))
+    rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), batch_size=16,
+                                sampler=SliceSampler(slice_len=4))
+    done, stop = SPAWN.Queue(), SPAWN.Event()
+    child = SPAWN.Process(target=workers.extend_until, args=(rb, 9, batch, done, stop))
+    child.start()
+    try:
+        names = set()
+        for _ in range(8):
+            for _ in range(3):
+                done.get(timeout=TIMEOUT)             # a few batches into this generation
+            names.add(storage.buffer.name)
+            rb.empty()
+            try:
+                drawn = rb.sample()["obs"]
+                assert (drawn[:, 2] == workers.check_of(drawn[:, 0], drawn[:, 1])).all()
+            except shmbuf.NotEnoughDataError:
+                pass                                  # nothing written since: fine
+        stop.set()
+        while True:
+            last = done.get(timeout=TIMEOUT)
+            if isinstance(last, tuple):
+                break
+        child.join(TIMEOUT)
+        assert child.exitcode == 0
+    finally:
+        join_all([child])
+    assert not any(segment_exists(name) for name in names)
+    obs = rb[:]["obs"]
+    assert (obs[:, 0] == 9).all() and (obs[:, 2] == workers.check_of(9, obs[:, 1])).all()
+    counts = torch.bincount(obs[:, 1] // batch)
+    assert ((counts == 0) | (counts == batch)).all()   # every batch whole, or gone
+    assert counts[last[1]] == batch                    # the one after stop: here
+    assert len(rb) == len(obs) == int(counts.sum())

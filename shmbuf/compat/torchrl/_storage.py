@@ -394,10 +394,23 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
         """Nothing to wait for: ``initialized`` reads the control block."""
 
     def _empty(self):
+        """Empty the storage for every process (``ReplayBuffer.empty()``).
+
+        Streams mode (``ShmWriter``): the data moves to a new, empty segment
+        of the same schema and size, and the old one is removed.  Every
+        process that holds the storage (by pickle or ``attach``) sees it
+        empty at its next call and writes and samples the new one from then
+        on.  An ``extend`` that runs in another process while ``empty()``
+        does may land in the old segment, before it goes: its steps are then
+        dropped with it (the rows it returned no longer name them).  Either way a
+        batch is never split between the two segments, and no step comes
+        back torn.  ``ShmWriter``'s write count starts again from 0, unless
+        ``empty(empty_write_count=False)``.
+        """
         if self._ctl[MODE] == STREAMS:
-            raise NotImplementedError(
-                "empty(): a storage written by ShmWriter keeps its steps until they are "
-                "evicted (FIFO per stream); make a new storage instead")
+            self._renew()
+            self._bump_mutation_revision()
+            return
         super()._empty()
 
 
