@@ -18,7 +18,6 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("tensordict", reason="the torchrl extra is not installed")
 pytest.importorskip("torchrl", reason="the torchrl extra is not installed")
-pytest.importorskip("zstandard")
 
 from helpers import torchrl_workers as workers  # noqa: E402
 from tensordict import is_tensor_collection  # noqa: E402
@@ -41,6 +40,12 @@ from shmbuf.compat.torchrl import (  # noqa: E402
 TIMEOUT = 60
 SPAWN = mp.get_context("spawn")
 PACKED = ["pixels", "next.pixels"]
+
+
+def packing(hot_steps: int):
+    """The storages' compression (skips the test without the compress extra)."""
+    pytest.importorskip("zstandard")
+    return shmbuf.Compress(PACKED, hot_steps=hot_steps)
 
 
 @pytest.fixture
@@ -110,8 +115,7 @@ def twins(closing, max_size, *, ndim=1, width=1, hot_steps=64):
     twin's.  The ring is filled, compacted, then written on (which recycles packed
     chunks) and compacted again: a writer skips a chunk that the compressor holds, so
     the twins lay their rows out alike only if no chunk is recycled while it works."""
-    packed = closing(LazyShmStorage(max_size, ndim=ndim, compress=shmbuf.Compress(
-        PACKED, hot_steps=hot_steps)))
+    packed = closing(LazyShmStorage(max_size, ndim=ndim, compress=packing(hot_steps)))
     plain = closing(LazyShmStorage(max_size, ndim=ndim))
     writers = []
     for storage in (packed, plain):
@@ -250,7 +254,7 @@ def test_a_row_recycled_during_the_read_comes_back_whole(closing):
     """A writer recycles the chunks of the rows being read, at each point of one read."""
     k, seen = 0, set()
     while True:
-        storage = LazyShmStorage(256, compress=shmbuf.Compress(PACKED, hot_steps=16))
+        storage = LazyShmStorage(256, compress=packing(16))
         rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter())
         try:
             index = rb.extend(workers.picture_rows(5, 0, 256))[:8]   # the oldest two chunks
@@ -326,7 +330,7 @@ def test_empty_renews_the_data_for_every_handle(closing):
 
 
 def test_empty_resets_shared_priorities_and_compressed_data(closing):
-    storage = closing(LazyShmStorage(2048, compress=shmbuf.Compress(PACKED, hot_steps=64)))
+    storage = closing(LazyShmStorage(2048, compress=packing(64)))
     sampler = PrioritizedSliceSampler(2048, alpha=1.0, beta=0.5, slice_len=5)
     rb = TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), sampler=sampler,
                                 batch_size=20)
