@@ -83,3 +83,23 @@ def test_a_block_that_does_not_decode_is_a_corrupt_segment(frames):
                 packed.sample_sequences(16, 40, rng=r)
     finally:
         packed.close()
+
+
+def test_rows_named_one_by_one_read_decoded(frames):
+    """``port.read_rows``: every row of the buffer, each the step it holds, decoded where
+    its chunk is packed; the rows of the open chunk that hold no step read as zeros."""
+    packed = _made(frames, shmbuf.Compress("obs", hot_steps=0))
+    try:
+        rows = np.arange(packed.capacity)
+        committed = np.isin(rows, packed.committed_rows())
+        assert 0 < (~committed).sum() < 64
+        got, held = packed.port.read_rows(["obs", "idx"], rows)
+        assert np.array_equal(held, committed)
+        assert np.array_equal(got["obs"][held], frames[got["idx"][held]])
+        assert not got["obs"][~held].any() and not got["idx"][~held].any()
+        # The raw column holds the packed rows' given-back pages: zeros, not the frames.
+        assert not np.array_equal(packed.arrays["obs"][held], got["obs"][held])
+        some, some_held = packed.port.read_rows(["idx"], rows[held][::7])
+        assert some_held.all() and np.array_equal(some["idx"], got["idx"][held][::7])
+    finally:
+        packed.close()

@@ -12,7 +12,8 @@ The calls, by what they serve:
 
 - windows: ``draw`` (a selector's located windows), ``sample`` (drawn,
   copied and re-checked, as ``sample_sequences``), ``locate``, ``still_valid``,
-  ``take_rows`` (columns at located rows, packed rows decoded);
+  ``take_rows`` (columns at located rows, packed rows decoded), ``read_rows``
+  (rows named one by one, each read whole: located, copied, re-checked);
 - steps: ``step_ids`` of rows, ``priority_values`` (the priority of each row and
   whether one was set in its claim);
 - chunks: ``live_chunks``, ``final_chunks``, ``chunk_seqs`` (each chunk's seq
@@ -35,6 +36,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ..sampling import gather as _gather
+from ..sampling.rows import read_rows as _read_rows
 from ..sampling.rows import take_rows as _take_rows
 
 if TYPE_CHECKING:  # annotations only
@@ -128,6 +130,12 @@ class StorePort:
         of windows located at ``chunks``/``seqs``, packed rows decoded.  Re-check the
         windows (``still_valid``) after it."""
         return _take_rows(self.unpacker, self.views, columns, rows, chunks, seqs)
+
+    def read_rows(self, columns, rows: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """``sampling.rows.read_rows`` on this store: ``({column: (n, ...)}, held)`` at
+        sorted distinct ``rows``, each row the step it holds, whole and decoded (a row a
+        writer recycled during the copy is read again); zeros where no step is held."""
+        return _read_rows(self, columns, np.ascontiguousarray(rows, np.int64))
 
     def count_sample(self, rows: int) -> None:
         """Count one sample call that returned ``rows`` steps (``stats().samples``)."""

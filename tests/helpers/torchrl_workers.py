@@ -67,3 +67,55 @@ def write_first_forked(rb, out):
     del rb, storage
     import gc
     gc.collect()   # a child that drops its handles must not remove the parent's data
+
+
+def picture_rows(writer: int, first: int, n: int) -> TensorDict:
+    """``rows`` with a large picture (64x64, one value a step) under a nested key too: a
+    chunk of a few steps spans whole pages, which a compressing storage gives back."""
+    data = rows(writer, first, n)
+    step = torch.arange(first, first + n)
+    data["next", "pixels"] = (step % 239).to(torch.uint8)[:, None, None].expand(
+        n, 64, 64).clone()
+    return data
+
+
+def read_index(storage, index, out):
+    """Report ``storage[index]`` (obs, pixels, nested pixels) and ``storage[:]``'s, read
+    in this process."""
+    parts = []
+    for got in (storage[index], storage[:]):
+        parts.append([got[key].tolist() for key in ("obs", "pixels", ("next", "pixels"))])
+    out.put(parts)
+
+
+def serve(rb, commands, replies):
+    """Run the parent's commands on ``rb`` in this process, one at a time, until "stop":
+    ("extend", writer, first, n) -> the indices, ("len",) -> len(rb),
+    ("read",) -> rb[:]["obs"], ("sample",) -> a sample's obs, or the error's class name."""
+    while True:
+        command = commands.get(timeout=60)
+        if command[0] == "stop":
+            return
+        try:
+            if command[0] == "extend":
+                replies.put(rb.extend(rows(*command[1:])).tolist())
+            elif command[0] == "len":
+                replies.put(len(rb))
+            elif command[0] == "read":
+                replies.put(rb[:]["obs"].tolist())
+            elif command[0] == "sample":
+                replies.put(rb.sample()["obs"].tolist())
+        except Exception as exc:   # reported to the parent, which asserts on it
+            replies.put(type(exc).__name__)
+
+
+def extend_until(rb, writer: int, batch: int, done, stop):
+    """Extend batch after batch (batch ``b`` holds steps ``b * batch`` on), reporting each
+    number on ``done``, until ``stop`` is set; then one more, reported as ("last", b)."""
+    b = 0
+    while not stop.is_set():
+        rb.extend(rows(writer, b * batch, batch))
+        done.put(b)
+        b += 1
+    rb.extend(rows(writer, b * batch, batch))
+    done.put(("last", b))

@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from ..._open import load as _load
-from . import _control
-from ._control import GEN, READY, STREAMS
+from ._control import GEN, STREAMS
 
 MARK = "shmbuf_torchrl.json"
 FORMAT = 1
@@ -55,16 +54,12 @@ def loads(storage, path) -> None:
     """Replace the storage's data with the save at ``path`` (a new data generation)."""
     storage._claim_mode(STREAMS)
     ctl = storage._ctl
-    old = ctl.data_name(ctl[GEN]) if storage.initialized else None
+    current = storage._data_buffer()
     gen = ctl[GEN] + 1
-    rows = storage.buffer.capacity if storage.initialized else None
-    buf = _load(Path(path) / "shmbuf", ctl.data_name(gen), rows,
+    buf = _load(Path(path) / "shmbuf", ctl.data_name(gen),
+                None if current is None else current.capacity,
                 handle_signals=None if storage.owner else False)
     if not storage.owner:
         buf.keep()
-    ctl[GEN] = gen
-    storage._bind(buf, gen)
-    ctl[READY] = gen + 1
-    if old is not None:
-        _control.remove_segment(old)
+    storage._publish(buf, gen)   # every process follows it; the old generation goes
     storage._bump_mutation_revision()

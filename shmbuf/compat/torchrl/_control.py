@@ -14,15 +14,19 @@ the storage's name; it owns it, and every process that holds the storage
   revision, an atomic counter that TorchRL's samplers read to drop caches.
 
 Words, each written by plain stores (TorchRL's own counters are no more
-atomic than that: its ``_len`` is a read-modify-write of a shared value):
+atomic than that: its ``_len`` is a read-modify-write of a shared value),
+but GEN and READY, which only ever move forward, by compare-and-swap
+(``advance``): a process that publishes late never takes back a newer
+generation.
 
 | word | name | meaning |
 |------|------|---------|
 | 0 | LEN | elements held, for TorchRL's writers (indexed mode) |
 | 1 | MODE | 0 nothing written, 1 indexed (``Storage.set``), 2 streams (``ShmWriter``) |
-| 2 | GEN | generation of the data segment (``empty()`` in stream mode makes a new one) |
-| 3 | READY | GEN + 1 once that generation's data segment is published |
+| 2 | GEN | generation of the data segment (a grow, or ``empty()`` in streams mode, makes one) |
+| 3 | READY | GEN + 1 once that generation's data segment is published (processes follow it) |
 | 4 | CURSOR | the last cursor written, +1 (0: none) |
+| 5 | WRITTEN | steps ``ShmWriter`` wrote in earlier generations that its write count keeps |
 """
 from __future__ import annotations
 
@@ -30,11 +34,12 @@ import contextlib
 
 import numpy as np
 
+from ...protocol import _atomic
 from ...segment import segment as _segment
 from ...store import buffer as store
 
 FACADE = "torchrl.LazyShmStorage"
-LEN, MODE, GEN, READY, CURSOR = range(5)
+LEN, MODE, GEN, READY, CURSOR, WRITTEN = range(6)
 WORDS = 8
 NONE, INDEXED, STREAMS = 0, 1, 2
 MODE_NAMES = {NONE: "empty", INDEXED: "indexed (TorchRL's writers)", STREAMS: "streams (ShmWriter)"}
@@ -71,6 +76,17 @@ class Control:
 
     def __setitem__(self, word: int, value: int) -> None:
         self.words[word] = value
+
+    def advance(self, word: int, value: int) -> bool:
+        """Raise ``word`` to ``value`` unless it is there or past already; True if this
+        call moved it."""
+        offset = word * self.words.itemsize
+        while True:
+            now = _atomic.load_acquire(self.words, offset)
+            if now >= value:
+                return False
+            if _atomic.compare_exchange(self.words, offset, now, value):
+                return True
 
     def data_name(self, generation: int) -> str:
         return f"{self.buffer.name}.d{generation}"

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from torchrl.data.replay_buffers.storages import Storage
 
-from ._control import CURSOR, LEN, MODE, STREAMS, Control
+from ._control import CURSOR, LEN, MODE, STREAMS, WRITTEN, Control
 from ._segments import schema_batch
 
 if TYPE_CHECKING:  # annotations only
@@ -46,9 +46,6 @@ class _NoLock:
         return False
 
 
-
-
-
 class SharedCounters:
     """TorchRL's per-process counters, shared (see the module docstring)."""
 
@@ -77,6 +74,17 @@ class SharedCounters:
             self.__dict__["_local_len"] = value
         elif self._ctl[MODE] != STREAMS:
             self._ctl[LEN] = int(value)
+
+    def _steps_written(self) -> int:
+        """Steps ``ShmWriter`` wrote, in every process: this generation's and those an
+        ``empty()`` kept in the count (``_restart_count`` drops them)."""
+        buf = self._data_buffer()
+        return self._ctl[WRITTEN] + (0 if buf is None else buf.stats().steps_written)
+
+    def _restart_count(self) -> None:
+        """``ShmWriter``'s write count starts again from 0 (``empty(empty_write_count=True)``)."""
+        buf = self._data_buffer()
+        self._ctl[WRITTEN] = -(0 if buf is None else buf.stats().steps_written)
 
     def _per_row(self) -> int:
         if self.ndim == 1:

@@ -65,8 +65,13 @@ class SliceSampler(_TorchRLSliceSampler):
         if storage.ndim != 1:
             raise RuntimeError(f"SliceSampler: a storage written by ShmWriter is sliced along "
                                f"dim 0 with ndim=1; this one has ndim={storage.ndim}")
-        buf = storage._held()
         self._last_storage = storage
+        # An empty() in another process may remove the data under the draw: then it draws
+        # from the new generation (and finds it empty, or what was written since).
+        return storage._on_data(lambda buf: self._draw_from(storage, buf, num_slices,
+                                                            seq_length))
+
+    def _draw_from(self, storage: LazyShmStorage, buf, num_slices: int, seq_length: int):
         batch = buf.sample_sequences(num_slices, seq_length, time_major=False, ids=True,
                                      select=self._select)
         ids = batch.pop("ids")
@@ -221,9 +226,9 @@ class PrioritizedSliceSampler(SliceSampler):
         value = given.abs().numpy() + self._eps
         if not np.isfinite(value).all():
             raise ValueError("priority: every priority must be finite; nothing was written")
-        buf = storage._held()
-        buf.update_priorities(buf.port.step_ids(np.ascontiguousarray(rows, np.int64)),
-                              value.astype(np.float32))
+        rows = np.ascontiguousarray(rows, np.int64)
+        storage._on_data(lambda buf: buf.update_priorities(buf.port.step_ids(rows),
+                                                           value.astype(np.float32)))
 
     def mark_update(self, index, *, storage=None) -> None:
         """New steps take the default priority by themselves."""

@@ -206,6 +206,13 @@ def take_local(schema: dict, views):
     return inner.select(*keys, strict=False)
 
 
+def index(views, idx):
+    """``views[idx]`` for every kind ``build`` makes (a pytree's leaves indexed one by one)."""
+    if is_tensor_collection(views) or isinstance(views, torch.Tensor):
+        return views[idx]
+    return _pytree.tree_map(lambda leaf: leaf[idx], views)
+
+
 def spec_of(schema: dict) -> dict:
     """The shmbuf ``spec`` of a schema: its leaves' columns and the hidden end column."""
     spec = {col: (tuple(shape), numpy_dtype(torch_dtype(dt)))

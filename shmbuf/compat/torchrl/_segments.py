@@ -1,22 +1,31 @@
-"""The data segment of a ``LazyShmStorage``: made at the first write, attached, grown.
+"""The data segment of a ``LazyShmStorage``: made at the first write, attached, grown, renewed.
 
 A mixin of ``LazyShmStorage``: the first element written (in any process)
-fixes the schema; the segment of the current generation (``_control``'s
-GEN) is created then, or attached by a process that lost the race, and
-``_bind`` rebuilds the storage-shaped views over its columns.  Indexed mode
-grows into a new generation when a write brings new keys.
+fixes the schema; the segment of generation 0 is created then, or attached
+by a process that lost the race, and ``_bind`` rebuilds the storage-shaped
+views over its columns.  Indexed mode grows into a new generation when a
+write brings new keys; ``empty()`` in streams mode renews the data into a
+new, empty generation.
+
+A new generation is made whole before anyone is told: its segment is
+created (and filled, when grown) under the next name, then GEN and READY
+(``_control``) name it, then the old segment is removed.  Every process
+follows READY: the generation it names is the current one, attached at the
+next call that needs the data.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 import numpy as np
 
-from ..._errors import SegmentExistsError
+from ..._errors import BufferClosedError, SegmentExistsError, SegmentNotFoundError
 from ...store import buffer as store
 from ...writing.compress import Compress
 from . import _control, _schema
-from ._control import GEN, INDEXED, MODE, NONE, READY, Control
+from ._control import GEN, INDEXED, MODE, NONE, READY, STREAMS, WRITTEN, Control
+
+T = TypeVar("T")
 
 
 def schema_batch(schema: dict) -> list:
@@ -47,13 +56,32 @@ class DataSegments:
     def _data_buffer(self) -> store.Buffer | None:
         """This process's handle on the current data segment; None before the first write."""
         ctl = self._ctl
-        gen = ctl[GEN]
-        if self._data is not None and self._data_gen == gen:
-            return self._data
-        if ctl[READY] != gen + 1:
-            return None
-        self._bind(store.attach(ctl.data_name(gen)), gen)
-        return self._data
+        while True:
+            ready = ctl[READY]
+            if not ready:
+                return None
+            gen = ready - 1
+            if self._data is not None and self._data_gen == gen:
+                return self._data
+            try:
+                buf = store.attach(ctl.data_name(gen))
+            except (SegmentNotFoundError, BufferClosedError):
+                if ctl[READY] != ready:
+                    continue   # renewed again meanwhile: the newer one is current
+                raise
+            self._bind(buf, gen)
+            return buf
+
+    def _on_data(self, call: Callable[[store.Buffer], T]) -> T:
+        """``call(buf)`` on the current data buffer, again on the next generation's if an
+        ``empty()`` (in any process) removed the one it ran on meanwhile."""
+        while True:
+            buf = self._held()
+            try:
+                return call(buf)
+            except BufferClosedError:
+                if self._data_buffer() is buf:
+                    raise   # closed for good, not renewed
 
     def _held(self) -> store.Buffer:
         """The data buffer; RuntimeError before the first write."""
@@ -86,12 +114,12 @@ class DataSegments:
         rows = -(requested // -per_row)
         return rows, rows * per_row
 
-    def _create_data(self, schema: dict, rows: int, max_size: int, mode: int):
-        """Create the data segment of the current generation (SegmentExistsError if another
+    def _create_data(self, schema: dict, rows: int, max_size: int, mode: int, gen: int):
+        """Create the data segment of generation ``gen`` (SegmentExistsError if another
         process was first); a process that did not construct the storage keeps it for the
         one that did."""
         ctl, ours = self._ctl, self.owner
-        buf = store.create(_schema.spec_of(schema), rows, name=ctl.data_name(ctl[GEN]),
+        buf = store.create(_schema.spec_of(schema), rows, name=ctl.data_name(gen),
                            done_key=_schema.END_COLUMN, priorities=True,
                            prefault=mode == INDEXED, overcommit=mode != INDEXED,
                            compress=self._compress(schema),
@@ -103,13 +131,13 @@ class DataSegments:
         return buf
 
     def _make_data(self, schema: dict, mode: int) -> None:
-        """Create this generation's data segment for ``schema`` or, if another process was
-        first, attach to it and check that the two agree."""
+        """Create the first generation's data segment for ``schema`` or, if another
+        process was first, attach to it and check that the two agree."""
         ctl = self._ctl
         gen = ctl[GEN]
         rows, max_size = self._rows_for(schema)
         try:
-            buf = self._create_data(schema, rows, max_size, mode)
+            buf = self._create_data(schema, rows, max_size, mode, gen)
         except SegmentExistsError:
             buf = store.attach(ctl.data_name(gen))
             theirs = buf.meta["torchrl"]["schema"]
@@ -118,21 +146,54 @@ class DataSegments:
                 buf.close()
                 raise ValueError(f"data: another process wrote the storage first, with "
                                  f"another schema ({why}); nothing was written") from None
+        if ctl[GEN] != gen:
+            # An empty() renewed the data meanwhile, so this name was removed and made
+            # again here: drop it, and follow the current generation.
+            buf.close()
+            _control.remove_segment(ctl.data_name(gen))
+            self._held()
+            return
         self._bind(buf, gen)
-        ctl[READY] = gen + 1
+        ctl.advance(READY, gen + 1)   # the creator publishes; an attacher too, if it died
+
+    def _publish(self, buf: store.Buffer, gen: int) -> None:
+        """Make ``buf``, made whole as generation ``gen``, the current data everywhere;
+        remove the old generation's segment, whoever created it."""
+        ctl = self._ctl
+        ctl.advance(GEN, gen)
+        if not ctl.advance(READY, gen + 1):   # not expected: one process creates each name
+            buf.close()
+            _control.remove_segment(ctl.data_name(gen))
+            self._held()
+            return
+        self._bind(buf, gen)
+        _control.remove_segment(ctl.data_name(gen - 1))
 
     def _grow(self, schema: dict) -> None:
         """Move the data to a new generation whose schema has new keys (indexed mode:
         TorchRL's storages take new keys at any write); the old columns are copied."""
-        ctl, old = self._ctl, self._held()
-        gen = ctl[GEN] + 1
-        ctl[GEN] = gen
-        buf = self._create_data(schema, old.capacity, self.max_size, INDEXED)
+        old = self._held()
+        gen = self._data_gen + 1
+        buf = self._create_data(schema, old.capacity, self.max_size, INDEXED, gen)
         for name, column in old.arrays.items():
             buf.arrays[name][...] = column
-        self._bind(buf, gen)
-        ctl[READY] = gen + 1
-        _control.remove_segment(ctl.data_name(gen - 1))
+        self._publish(buf, gen)
+
+    def _renew(self) -> None:
+        """``empty()`` in streams mode: a new, empty generation with the same schema and
+        size; the old one's steps go with its segment.  If another process renewed
+        the same generation at the same moment, its new one is taken."""
+        old = self._data_buffer()
+        if old is None:
+            return
+        gen = self._data_gen + 1
+        try:
+            buf = self._create_data(self._schema_cache, old.capacity, self.max_size,
+                                    STREAMS, gen)
+        except SegmentExistsError:
+            return   # emptied by another process just now: its generation is the new one
+        self._ctl[WRITTEN] += old.stats().steps_written   # the write count goes on
+        self._publish(buf, gen)
 
     def _compress(self, schema: dict) -> Compress | None:
         conf = self._ctl.params["compress"]

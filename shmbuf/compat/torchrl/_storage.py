@@ -34,7 +34,7 @@ from ..._errors import CorruptSegmentError
 from ..._registry import register
 from ...store import buffer as store
 from ...writing.compress import Compress
-from . import _checkpoints, _control, _schema
+from . import _checkpoints, _control, _rows, _schema
 from ._control import GEN, INDEXED, MODE, NONE, STREAMS, Control
 from ._counters import SharedCounters
 from ._segments import DataSegments
@@ -312,18 +312,34 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
         return super().set(cursor, data, set_cursor=set_cursor)
 
     def get(self, index):
+        """The elements at ``index``, as ``LazyTensorStorage.get`` gives them.
+
+        In streams mode (``ShmWriter``) a slice along dim 0 (alone, or first
+        in a tuple) selects the rows that hold a step now, so ``storage[:]``
+        is exactly the steps held.
+        Other indices name rows; a row holds the step written there until
+        writers recycle its chunk, then a newer one.  A compressing storage
+        reads every row it names through the store (``StorePort.read_rows``),
+        decoded, so the result is a copy (an int index too), never a view:
+        each row is the step it holds when read, whole, never torn (a row
+        whose chunk a writer recycles during the read is read again), and a
+        row that holds no step then (never written, or being refilled) reads
+        as zeros; a slice leaves such rows out.
+
+        Raises:
+            RuntimeError: nothing was written yet.
+            IndexError / TypeError: a row outside the storage, or an index of
+                another form (streams mode with compression).
+        """
         pending, self._pending = self._pending, None
         if pending is not None and pending[0] is index:
             return pending[1]
         if self._ctl[MODE] == STREAMS:
-            if self._ctl.params["compress"] is not None:
-                raise NotImplementedError(
-                    "reading rows of a compressing LazyShmStorage directly (rb[index], "
-                    "rb[:], TorchRL's samplers) is not supported yet: sample it with "
-                    "shmbuf.compat.torchrl.SliceSampler, which decodes compressed chunks")
-            if self._data_buffer() is None:
+            buf = self._data_buffer()
+            if buf is None:
                 raise RuntimeError("Cannot get elements out of a non-initialized storage.")
-            out = self._views[self._stream_index(index)]
+            out = _rows.get(buf, self._schema_cache, self._views, index,
+                            compressed=self._ctl.params["compress"] is not None)
         else:
             out = super().get(index)
         return self._to_device(out)
@@ -334,19 +350,6 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
             return out.to(device) if hasattr(out, "to") else tree_map(
                 lambda x: x.to(device), out)
         return out
-
-    def _stream_index(self, index):
-        """Rows of a stream-mode index: slices select the rows that hold a step now."""
-        if isinstance(index, slice):
-            buf = self._held()
-            rows = np.sort(buf.committed_rows())
-            lo, hi, step = index.indices(buf.capacity)
-            if step == 1:
-                rows = rows[(rows >= lo) & (rows < hi)]
-            else:
-                rows = np.intersect1d(rows, np.arange(lo, hi, step))
-            return torch.from_numpy(rows)
-        return index
 
     def _stash(self, index, batch) -> None:
         """Hand ``batch`` to the next ``get(index)`` (a sampler that already gathered it)."""
@@ -391,10 +394,23 @@ class LazyShmStorage(SharedCounters, DataSegments, LazyTensorStorage):
         """Nothing to wait for: ``initialized`` reads the control block."""
 
     def _empty(self):
+        """Empty the storage for every process (``ReplayBuffer.empty()``).
+
+        Streams mode (``ShmWriter``): the data moves to a new, empty segment
+        of the same schema and size, and the old one is removed.  Every
+        process that holds the storage (by pickle or ``attach``) sees it
+        empty at its next call and writes and samples the new one from then
+        on.  An ``extend`` that runs in another process while ``empty()``
+        does may land in the old segment, before it goes: its steps are then
+        dropped with it (the rows it returned no longer name them).  Either way a
+        batch is never split between the two segments, and no step comes
+        back torn.  ``ShmWriter``'s write count starts again from 0, unless
+        ``empty(empty_write_count=False)``.
+        """
         if self._ctl[MODE] == STREAMS:
-            raise NotImplementedError(
-                "empty(): a storage written by ShmWriter keeps its steps until they are "
-                "evicted (FIFO per stream); make a new storage instead")
+            self._renew()
+            self._bump_mutation_revision()
+            return
         super()._empty()
 
 

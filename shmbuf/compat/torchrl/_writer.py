@@ -187,13 +187,9 @@ class ShmWriter(Writer):
         columns = columns_of(storage._schema_cache, data, n)   # checked: nothing written yet
         ends, traj = self._ends(data, n)
         columns[_schema.END_COLUMN] = ends
-        writer = self._writer(storage)
-        if traj is not None:
-            pid, buf, _, last = self._here  # type: ignore[misc]  # set by _writer
-            if last is not None and last != int(traj[0]):
-                writer.end_episode()   # the trajectory of the last batch ended there
-            self._here = (pid, buf, writer, int(traj[-1]))
-        rows = writer.extend(**columns)
+        # An empty() in another process may remove the segment under this write: then
+        # the whole batch goes to the new one (what reached the old one goes with it).
+        rows = storage._on_data(lambda buf: self._append(buf, columns, traj))
         storage._bump_mutation_revision()
         index = self._replicate_index(torch.from_numpy(rows))
         for entity in storage._attached_entities_iter():
@@ -217,10 +213,19 @@ class ShmWriter(Writer):
                 ends[:-1] |= traj[:-1] != traj[1:]
         return ends, traj
 
-    def _writer(self, storage: LazyShmStorage):
-        """This process's shmbuf ``Writer`` on the current data segment."""
+    def _append(self, buf, columns: dict, traj) -> np.ndarray:
+        """Write ``columns`` to this process's stream of data buffer ``buf``; the rows."""
+        writer = self._writer(buf)
+        if traj is not None:
+            pid, _, _, last = self._here  # type: ignore[misc]  # set by _writer
+            if last is not None and last != int(traj[0]):
+                writer.end_episode()   # the trajectory of the last batch ended there
+            self._here = (pid, buf, writer, int(traj[-1]))
+        return writer.extend(**columns)
+
+    def _writer(self, buf):
+        """This process's shmbuf ``Writer`` on data buffer ``buf`` (the current one)."""
         here = self._here
-        buf = storage._held()
         if here is None or here[0] != os.getpid() or here[1] is not buf:
             self._here = here = (os.getpid(), buf, buf.writer(), None)
         return here[2]
@@ -228,17 +233,21 @@ class ShmWriter(Writer):
     # -- TorchRL's bookkeeping ------------------------------------------------------
     @property
     def _write_count(self) -> int:
-        """Steps written by every process (the data buffer's count)."""
+        """Steps written by every process (the storage's count, kept across ``empty()``
+        unless ``empty_write_count``)."""
         storage = self._storage
-        buf = None if storage is None else storage.buffer
-        return 0 if buf is None else buf.stats().steps_written
+        return 0 if storage is None else storage._steps_written()
 
     @_write_count.setter
     def _write_count(self, value) -> None:
-        """The count lives in the data buffer."""
+        """The count lives in the storage."""
 
     def _empty(self, empty_write_count: bool = True) -> None:
+        """``ReplayBuffer.empty()``: this process's stream ends; the storage's ``_empty``
+        renews the data, and every process's next write opens a stream on the new one."""
         self._here = None
+        if empty_write_count and self._storage is not None:
+            self._storage._restart_count()
 
     def state_dict(self) -> dict:
         return {}
