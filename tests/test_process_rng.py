@@ -108,17 +108,29 @@ def _inherited_draw(_):
     return _INHERITED.sample_steps(4)["x"].tolist()
 
 
-def test_fork_is_detected_by_pid(monkeypatch):
-    r = ProcessRandom(7, owner_pid=1, name="test-fork-detection")
+def _fork_draw(r, out):
     import os
 
+    out.put((os.getpid(), int(r.get().integers(1 << 60))))
+
+
+def test_fork_is_detected_by_pid():
+    # A real fork: the child's generator is its own pid's stream, not a copy of the
+    # parent's (the pid is kept by a fork hook, never asked of the kernel per draw).
+    import os
+
+    r = ProcessRandom(7, owner_pid=1, name="test-fork-detection")
     first = r.get()
     assert r.get() is first
-    monkeypatch.setattr(os, "getpid", lambda: 424242)
-    child = r.get()
-    assert child is not first
-    expected = np.random.default_rng(stream_seed(7, (CHILD, 424242)))
-    assert child.integers(1 << 60) == expected.integers(1 << 60)
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_fork_draw, args=(r, out))]
+    with running(procs):
+        pid, drawn = out.get(timeout=60)
+        join_all(procs)
+    assert pid != os.getpid()
+    assert drawn == np.random.default_rng(stream_seed(7, (CHILD, pid))).integers(1 << 60)
+    assert r.get() is first   # the parent's stream is untouched
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "3", True])

@@ -190,7 +190,11 @@ class Draw:
             need -= len(w.rows)
         if not need:
             return enough(found, need, n, f"live items of length {length}")
-        first = items.keep_live(self.selector.pick(items, rng, need), made)
+        pick, keep_live = self.selector.pick, items.keep_live
+        first = keep_live(pick(items, rng, need), made)
+        if not found and not len(first.rows):
+            first = keep_live(pick(items, rng, need), made)   # all evicted (a lone item's
+            # usual miss): once more before the rounds
         if not found and len(first.rows) == need:
             return first   # the usual case: round 0 found them all (as in_rounds would)
 
@@ -198,8 +202,7 @@ class Draw:
         def picked(round_, need):
             if round_ == 0:
                 return first
-            return items.keep_live(self.selector.pick(items, rng, need << min(2 * round_, 12)),
-                                   made)
+            return keep_live(pick(items, rng, need << min(2 * round_, 12)), made)
 
         need = in_rounds(found, need, picked, _ROUNDS)
         return enough(found, need, n, f"live items of length {length}")

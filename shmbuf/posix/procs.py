@@ -7,6 +7,16 @@ from __future__ import annotations
 
 import os
 
+# This process's pid, set again by a fork hook in the child, so that the hot paths
+# (every add, every sample) notice a fork without a getpid() system call each.
+_PID = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _PID.__setitem__(0, os.getpid()))
+
+
+def this_pid() -> int:
+    """``os.getpid()`` without a system call (kept by a fork hook)."""
+    return _PID[0]
+
 
 def start_time(pid: int) -> int | None:
     """Start time of ``pid``, or None if no such live (non-zombie) process."""

@@ -42,8 +42,9 @@ def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets
         fresh, every = finder.recheck(windows)
         if every:
             port.count_sample(batch_size * length)
-            return {k: t if type(t) is np.ndarray else result_of(t)
-                    for k, t in targets.items()}
+            if type(next(iter(targets.values()))) is np.ndarray:
+                return targets   # fresh arrays (prepare_out makes all fresh, or none)
+            return {k: result_of(t) for k, t in targets.items()}
         pending = pending[~fresh]
         windows = selector.draw(finder, rng, len(pending), length, tail)
     raise SampleRetryError(

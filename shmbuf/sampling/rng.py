@@ -66,6 +66,8 @@ import sys
 
 import numpy as np
 
+from ..posix.procs import this_pid
+
 OWNER, WORKER, CHILD, RANK = 0, 1, 2, 3
 
 
@@ -168,7 +170,7 @@ class ProcessRandom:
 
     def get(self) -> np.random.Generator:
         """This process's generator."""
-        pid = os.getpid()
+        pid = this_pid()
         key = self._key
         modules = sys.modules
         if (key is not None and key[0] == pid and key[1] is None

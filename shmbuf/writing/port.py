@@ -29,7 +29,6 @@ The calls, by what they serve:
 """
 from __future__ import annotations
 
-import os
 import weakref
 from typing import TYPE_CHECKING, Callable
 
@@ -226,7 +225,7 @@ class StorePort:
 
     def check_live(self) -> None:
         """Raise ``BufferClosedError`` once any process marked the buffer closed."""
-        self.ring.check_open(os.getpid())
+        self.ring.check_open()   # the pid is asked for only once the word is set
 
     @property
     def stop_mark(self):

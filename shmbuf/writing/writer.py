@@ -10,21 +10,16 @@ give it, and asks them to publish.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import numpy as np
 
 from .._errors import BufferClosedError, SharedMemoryFullError
+from ..posix.procs import this_pid
 from ..protocol.layout import EP_COLUMN, Layout
 from ..protocol.ring import Ring, copy_rows
 from ..protocol.streams import Slot, Streams, claim_slot
 from .cast import check_flags, coerce, scalar_fast_path
-
-# Forks of this process so far, counted in each child: a writer compares it
-# with the count it was bound at, instead of a getpid() system call per add.
-_forks = [0]
-os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 class Writer:
@@ -64,8 +59,7 @@ class Writer:
         self._bind()
 
     def _bind(self) -> None:
-        self._pid = os.getpid()
-        self._forks = _forks[0]
+        self._pid = this_pid()   # a fork (this_pid() changes) binds again, see _check
         self._slot = claim_slot(self._ring)
         self._steps = 0
         self._solo: Streams | None = None
@@ -77,7 +71,7 @@ class Writer:
     def _check(self) -> None:
         if self._closed:
             raise BufferClosedError("this writer is closed; get a new one with buf.writer()")
-        if self._forks != _forks[0]:
+        if self._pid != this_pid():
             self._bind()  # a forked child never continues its parent's streams
         self._check_open()
         if self._closed_word[0]:  # one relaxed load: the owner closed it, this worker stops
@@ -152,7 +146,7 @@ class Writer:
             >>> w.add(obs=frame, action=a, reward=1.0, done=False)
         """
         fast = self._fast_add
-        if fast is not None and self._forks == _forks[0]:
+        if fast is not None and self._pid == this_pid():
             # Values that already fit go in C, which also checks the closed
             # word; anything else (a cast, a bad value, a full chunk, a closed
             # buffer) returns -1 unwritten and takes the Python path below.
@@ -200,7 +194,7 @@ class Writer:
             >>> w.add_batch(obs=frames, action=acts, reward=rews, done=dones)  # (16, ...)
         """
         fast = self._fast_batch
-        if fast is not None and self._forks == _forks[0]:
+        if fast is not None and self._pid == this_pid():
             self._check_open()
             ended = fast(columns)
             if ended >= 0:
@@ -418,7 +412,7 @@ class Writer:
             return
         self._closed = True
         self._fast_add = self._fast_batch = None
-        if self._pid != os.getpid():
+        if self._pid != this_pid():
             return
         try:
             self._check_open()
