@@ -1,4 +1,5 @@
 """Type stubs of the C extension _rows.c: a sampled batch's rows and their step ids."""
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ GEOMETRY_SIZE: int
 GEOMETRY_MAGIC: int
 
 def read_geometry(geometry: _Geometry, buffer: _Buffer, /) -> dict[str, Any]: ...
-def copy_rows(src: Any, dst: Any, rows: np.ndarray, at: np.ndarray, row_bytes: int,
-              window_stride: int, row_stride: int, /) -> None: ...
-def step_ids(buffer: _Buffer, geometry: _Geometry, rows: np.ndarray, out: np.ndarray,
-             /) -> None: ...
+def copy_rows(columns: Sequence[tuple[Any, Any, int, int, int]], rows: np.ndarray,
+              at: np.ndarray, /) -> None: ...
+def step_ids(buffer: _Buffer, geometry: _Geometry, rows: np.ndarray, out: Any,
+             first: int = 0, tag: int = 0, /) -> int: ...

@@ -49,6 +49,7 @@ import numpy as np
 
 from .._errors import SampleRetryError
 from . import _atomic as atomic
+from . import cells
 from .header import ClosedMark
 from .layout import CHUNK_ENTRY, CHUNK_FIELDS, Layout
 
@@ -119,12 +120,8 @@ class KeyWords:
     def reset(self, keys: np.ndarray) -> None:
         """Forget every entry of ``keys``: raise ``next`` to ``count``, never lowering it."""
         for key in keys.tolist():
-            next_off, count_off = int(self._next[key]), int(self._count[key])
-            while True:
-                old = atomic.load_acquire(self._mm, next_off)
-                count = atomic.load_acquire(self._mm, count_off)
-                if count <= old or atomic.compare_exchange(self._mm, next_off, old, count):
-                    break
+            count = cells.load(self._mm, int(self._count[key]))
+            cells.raise_to(self._mm, int(self._next[key]), count)
 
     def read(self, keys: np.ndarray, select: Select,
              columns: list[Column]) -> tuple[dict, np.ndarray]:

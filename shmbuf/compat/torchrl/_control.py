@@ -34,7 +34,7 @@ import contextlib
 
 import numpy as np
 
-from ...protocol import _atomic
+from ...protocol import cells
 from ...segment import segment as _segment
 from ...store import buffer as store
 
@@ -80,13 +80,7 @@ class Control:
     def advance(self, word: int, value: int) -> bool:
         """Raise ``word`` to ``value`` unless it is there or past already; True if this
         call moved it."""
-        offset = word * self.words.itemsize
-        while True:
-            now = _atomic.load_acquire(self.words, offset)
-            if now >= value:
-                return False
-            if _atomic.compare_exchange(self.words, offset, now, value):
-                return True
+        return cells.raise_to(self.words, word * self.words.itemsize, value)
 
     def data_name(self, generation: int) -> str:
         return f"{self.buffer.name}.d{generation}"
