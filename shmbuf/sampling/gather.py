@@ -26,6 +26,9 @@ def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets
     """``batch_size`` windows that ``selector.draw`` picks, copied into ``targets``
     (``sampling.out.prepare_out``'s); stale ones are redrawn until none is.
 
+    Returns the batch: ``targets`` itself where they are fresh arrays, else the
+    caller's own arrays or tensors, by column.
+
     Raises:
         SampleRetryError: the writers recycled sampled chunks ``MAX_REDRAWS``
             times in a row.
