@@ -246,7 +246,8 @@ done:
 }
 
 static PyMethodDef methods[] = {
-    {"step_ids", step_ids, METH_VARARGS, "step_ids(buffer, geometry, rows, out, first=0, tag=0)"},
+    {"step_ids", step_ids, METH_VARARGS,
+     "step_ids(buffer, geometry, rows, out, first=0, tag=0) -> top"},
     {"copy_rows", copy_rows, METH_VARARGS,
      "copy_rows(columns, rows, at): columns of (src, dst, row_bytes, window_stride, row_stride)"},
     SHM_READ_GEOMETRY_METHOD,

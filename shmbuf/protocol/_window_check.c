@@ -454,7 +454,7 @@ static PyMethodDef methods[] = {
      "find(buffer, geometry, starts, span, length, tail, need, max_hops, picked, rows, "
      "hop_chunks, hop_seqs, preempt=None) -> (found, examined)"},
     {"unchanged", unchanged, METH_VARARGS,
-     "unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None)"},
+     "unchanged(buffer, geometry, hop_chunks, hop_seqs, max_hops, ok, preempt=None) -> count"},
     {"seek", seek, METH_VARARGS,
      "seek(buffer, geometry, chunks, seqs, offsets, advances, rows, preempt=None)"},
     SHM_READ_GEOMETRY_METHOD,
