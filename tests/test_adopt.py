@@ -15,7 +15,8 @@ import pytest
 from helpers import crash_harness
 from helpers.adopters import dead_owner_param_block, rival_adopters
 from helpers.history_workers import dead_owner_history
-from helpers.stop_workers import Script, shm_exists
+from helpers.shm import exists as shm_exists
+from helpers.stop_workers import Script
 from helpers.workers import SPEC, verify_batch
 
 import shmbuf

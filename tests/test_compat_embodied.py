@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 from helpers import embodied_workers as workers
 from helpers.procs import join_all, running
+from helpers.shm import exists as shm_exists
 from helpers.stats import chi2_pvalue
-from helpers.stop_workers import Script, shm_exists
+from helpers.stop_workers import Script
 
 import shmbuf
 from shmbuf import BufferClosedError, NoFreeWriterSlotError

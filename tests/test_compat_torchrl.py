@@ -20,6 +20,8 @@ pytest.importorskip("tensordict", reason="the torchrl extra is not installed")
 pytest.importorskip("torchrl", reason="the torchrl extra is not installed")
 
 from helpers import torchrl_workers as workers  # noqa: E402
+from helpers.procs import reap  # noqa: E402
+from helpers.shm import exists as segment_exists  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyTensorStorage,
@@ -63,17 +65,6 @@ def stream_rb(storage, **kw):
     return TensorDictReplayBuffer(storage=storage, writer=ShmWriter(), **kw)
 
 
-def segment_exists(name: str) -> bool:
-    return os.path.exists(os.path.join("/dev/shm", name))
-
-
-def join_all(procs):
-    for p in procs:
-        p.join(TIMEOUT)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
 
 
 def assert_well_formed(obs):
@@ -141,7 +132,7 @@ def test_a_spawned_child_may_write_first(closing):
         child.join(TIMEOUT)
         assert child.exitcode == 0
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     data_name = storage.buffer.name
     assert torch.equal(rb[torch.tensor(index)]["obs"], workers.rows(7, 0, 5)["obs"])
     storage.close()                               # the child made it; the constructor removes it
@@ -159,7 +150,7 @@ def test_a_forked_child_may_write_first_and_removes_nothing(closing):
         child.join(TIMEOUT)
         assert child.exitcode == 0
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     assert owner is False and storage.owner
     assert torch.equal(rb[torch.tensor(index)]["obs"], workers.rows(8, 0, 4)["obs"])
 
@@ -175,7 +166,7 @@ def test_indices_from_extend_read_the_same_steps_in_another_process(closing):
     try:
         assert out.get(timeout=TIMEOUT) == workers.rows(2, 0, 7)["obs"].tolist()
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     assert torch.equal(rb[index]["obs"], workers.rows(2, 0, 7)["obs"])
 
 
@@ -297,7 +288,7 @@ def test_prioritized_slices_follow_priorities_set_in_another_process(closing):
     try:
         assert out.get(timeout=TIMEOUT) == "done"
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     drawn = torch.cat([rb.sample(return_info=True)[0]["obs"] for _ in range(20)])
     share = ((drawn[:, 0] == 2) & (drawn[:, 1] < 10)).float().mean()
     assert share > 0.5                            # 1000x the others' priority; 6 of 360 starts
@@ -330,7 +321,7 @@ def test_several_writer_processes_without_a_lock(closing):
             p.join(TIMEOUT)
             assert p.exitcode == 0
     finally:
-        join_all(procs)
+        reap(procs, TIMEOUT)
     assert len(rb) == 2000 and storage.buffer.stats().streams == 2
     assert_well_formed(rb[:]["obs"])
 
@@ -360,7 +351,7 @@ def test_a_writer_killed_mid_extend_leaves_no_torn_step(closing):
     finally:
         for p in procs:
             p.kill()
-        join_all(procs)
+        reap(procs, TIMEOUT)
 
 
 # -- collectors ------------------------------------------------------------------------

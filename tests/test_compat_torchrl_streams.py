@@ -20,6 +20,9 @@ pytest.importorskip("tensordict", reason="the torchrl extra is not installed")
 pytest.importorskip("torchrl", reason="the torchrl extra is not installed")
 
 from helpers import torchrl_workers as workers  # noqa: E402
+from helpers.preempt import At, atomic_loads, calls_in  # noqa: E402
+from helpers.procs import reap  # noqa: E402
+from helpers.shm import exists as segment_exists  # noqa: E402
 from tensordict import is_tensor_collection  # noqa: E402
 from torchrl.data import (  # noqa: E402
     LazyTensorStorage,
@@ -62,17 +65,6 @@ def closing():
         storage.close()
 
 
-def join_all(procs):
-    for p in procs:
-        p.join(TIMEOUT)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(10)
-
-
-def segment_exists(name: str) -> bool:
-    return os.path.exists(os.path.join("/dev/shm", name))
 
 
 def assert_same(got, want, what=""):
@@ -210,35 +202,13 @@ def test_compressed_rows_read_in_a_spawned_child(closing):
         child.join(TIMEOUT)
         assert child.exitcode == 0
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     for part, want in zip(got, (plain[index], plain[:])):
         assert part == [want[key].tolist() for key in ("obs", "pixels", ("next", "pixels"))]
 
 
-class _Preempt:
-    """Counts a read's loads from shared memory (calls into ``shmbuf.protocol._atomic``,
-    and the C window check's loads through its ``preempt`` hook) and runs ``action``
-    right before the ``k``-th, as if the reader had been preempted there."""
-
-    def __init__(self, k: int, action):
-        self.k, self.action, self.calls, self.fired = k, action, 0, False
-
-    def __call__(self, frame=None, event="c_call", arg=None):
-        if event != "c_call" or (arg is not None and getattr(
-                arg, "__module__", None) != "shmbuf.protocol._atomic"):
-            return
-        if self.calls == self.k:
-            self.fired = True
-            sys.setprofile(None)   # the action's own loads are not read points
-            try:
-                self.action()
-            finally:
-                sys.setprofile(self)
-        self.calls += 1
-
-
 def _read_preempted(storage, index, k: int, action):
-    hook = _Preempt(k, action)
+    hook = At(k, action, atomic_loads)
     finder = storage.buffer.port.finder
     finder.preempt = hook
     sys.setprofile(hook)
@@ -361,34 +331,13 @@ def test_new_keys_move_indexed_data_to_a_new_segment(closing):
     assert len(rb) == 0
 
 
-class _EmptyAt:
-    """Runs ``action`` right before the ``k``-th call of a function under ``where`` (a
-    folder of shmbuf) during a call, as if another process had emptied the storage there."""
-
-    def __init__(self, k: int, action, where: str):
-        self.k, self.action, self.calls, self.fired = k, action, 0, False
-        self.where = where
-
-    def __call__(self, frame, event, arg):
-        if event != "call" or not frame.f_code.co_filename.startswith(self.where):
-            return
-        if self.calls == self.k:
-            self.fired = True
-            sys.setprofile(None)
-            try:
-                self.action()
-            finally:
-                sys.setprofile(self)
-        self.calls += 1
-
-
 SHMBUF_DIR = os.path.dirname(shmbuf.__file__)
 FACADE_DIR = os.path.dirname(shmrl.__file__)
 
 
 def _emptied_during(call, k: int, action, where: str = SHMBUF_DIR):
     """``(call's result, or the NotEnoughDataError it raised; whether action ran)``."""
-    hook = _EmptyAt(k, action, where)
+    hook = At(k, action, calls_in(where))
     sys.setprofile(hook)
     try:
         return call(), hook.fired
@@ -493,7 +442,7 @@ def test_a_spawned_process_follows_empty(closing):
         child.join(TIMEOUT)
         assert child.exitcode == 0
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
 
 
 def test_an_extend_racing_empty_is_kept_whole_or_dropped(closing):
@@ -526,7 +475,7 @@ def test_an_extend_racing_empty_is_kept_whole_or_dropped(closing):
         child.join(TIMEOUT)
         assert child.exitcode == 0
     finally:
-        join_all([child])
+        reap([child], TIMEOUT)
     assert not any(segment_exists(name) for name in names)
     obs = rb[:]["obs"]
     assert (obs[:, 0] == 9).all() and (obs[:, 2] == workers.check_of(9, obs[:, 1])).all()

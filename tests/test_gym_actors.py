@@ -82,7 +82,7 @@ def test_attach_by_name_and_pickle_never_unlink(block):
 @pytest.mark.slow
 def test_a_restarted_trainer_adopts_the_block_and_actors_read_on():
     from helpers.adopters import dead_owner_param_block
-    from helpers.stop_workers import shm_exists
+    from helpers.shm import exists as shm_exists
 
     from shmbuf.segment import segment as _segment
 

@@ -25,8 +25,9 @@ from helpers.history_workers import (
 )
 from helpers.keyed_workers import history_info, history_worker
 from helpers.procs import join_all, reap
+from helpers.shm import exists as shm_exists
 from helpers.shm import own_entries
-from helpers.stop_workers import TIMEOUT, Script, shm_exists
+from helpers.stop_workers import TIMEOUT, Script
 
 import shmbuf
 from shmbuf import cli

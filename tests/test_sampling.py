@@ -14,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers.preempt import At, atomic_loads
 from helpers.workers import SPEC, EnvCursor, batch_step, step_for, verify_batch, write_batches
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -625,26 +626,8 @@ def test_end_episode_env_cuts_one_stream(make_buffer):
 # point of one sample_sequences call, deterministically and in one process.
 
 
-class _Preempt:
-    def __init__(self, k: int, action):
-        self.k, self.action, self.calls, self.fired = k, action, 0, False
-
-    def __call__(self, frame=None, event="c_call", arg=None):
-        if event != "c_call" or (arg is not None
-                                 and getattr(arg, "__module__", None) != "shmbuf.protocol._atomic"):
-            return
-        if self.calls == self.k:
-            self.fired = True
-            sys.setprofile(None)    # the writer's own atomics are not sample points
-            try:
-                self.action()
-            finally:
-                sys.setprofile(self)
-        self.calls += 1
-
-
 def _sample_preempted(buf, k: int, action, batch_size: int, length: int):
-    hook = _Preempt(k, action)
+    hook = At(k, action, atomic_loads)
     buf._finder.preempt = hook
     sys.setprofile(hook)
     try:

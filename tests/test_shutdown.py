@@ -13,7 +13,8 @@ import sys
 
 import numpy as np
 import pytest
-from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
+from helpers.shm import exists as shm_exists
+from helpers.stop_workers import Script, kill_all, wait_gone
 from helpers.workers import SPEC, step_for, verify_batch
 
 import shmbuf

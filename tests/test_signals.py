@@ -9,7 +9,8 @@ import textwrap
 import threading
 
 import pytest
-from helpers.stop_workers import Script, kill_all, shm_exists, wait_gone
+from helpers.shm import exists as shm_exists
+from helpers.stop_workers import Script, kill_all, wait_gone
 from helpers.workers import SPEC
 
 from shmbuf import cli

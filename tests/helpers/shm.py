@@ -16,6 +16,11 @@ def ours(name: str) -> bool:
     return name.startswith("shmbuf-" + os.environ.get("SHMBUF_NAME_TAG", "\0"))
 
 
+def exists(name: str) -> bool:
+    """Whether /dev/shm holds an entry ``name`` now."""
+    return os.path.exists(os.path.join(SHM, name))
+
+
 def own_entries() -> set[str]:
     """The /dev/shm entries this test session made that exist now."""
     names = os.listdir(SHM) if os.path.isdir(SHM) else []

@@ -124,5 +124,3 @@ def kill_all(pids) -> None:
             pass
 
 
-def shm_exists(name: str) -> bool:
-    return os.path.exists(os.path.join("/dev/shm", name))
