@@ -81,10 +81,10 @@ class Items:
         made = self.made()
         return max(0, made - self.capacity), made
 
-    def keep_live(self, w: Windows, made: int | None = None) -> Windows:
+    def keep_live(self, w: Windows, made: int) -> Windows:
         """The windows of ``w`` whose item is live (its serial, on its last step, is
-        among the newest ``capacity`` of the ``made`` so far; ``made()`` if None)."""
-        lo = (self.made() if made is None else made) - self.capacity
+        among the newest ``capacity`` of the ``made`` items made so far)."""
+        lo = made - self.capacity
         if lo <= 0 or not len(w.rows):
             return w   # no item was evicted yet
         last = self.item[w.rows[:, -1]]
@@ -168,10 +168,10 @@ class Draw:
     this loop keeps the live ones and asks again for the rest.  The store's
     ``finder`` it is called with is the one ``Items.port`` draws through.
     ``made``: the items made when the sample began (``Items.made()``), which
-    fixes the live ones for the whole draw; read at each round if None.
+    fixes the live ones for the whole draw.
     """
 
-    def __init__(self, items: Items, selector, queued=None, made: int | None = None):
+    def __init__(self, items: Items, selector, queued, made: int):
         self.items, self.selector, self.queued, self.made = items, selector, queued, made
 
     def draw(self, finder, rng, n, length, tail):

@@ -36,12 +36,8 @@ def sample(port, selector, rng, batch_size: int, length: int, tail: int, targets
     finder = port.finder
     windows = selector.draw(finder, rng, batch_size, length, tail)
     pending = np.arange(batch_size)
-    raw = port.unpacker is None
     for _ in range(MAX_REDRAWS):
-        if raw:
-            _gather_rows(port, windows.rows, pending, targets, time_major, batch_size)
-        else:
-            gather(port, windows, pending, targets, time_major, batch_size)
+        gather(port, windows, pending, targets, time_major, batch_size)
         fresh, every = finder.recheck(windows)
         if every:
             port.count_sample(batch_size * length)
