@@ -338,3 +338,25 @@ def test_prefetched_and_loader_batches_carry_ids(make_buffer):
             make()
     with pytest.raises(TypeError, match="ids must be True or False"):
         buf.dataset(4, LENGTH, ids="yes")
+
+
+def test_an_episode_logged_but_not_yet_published_is_read_later_not_lost(filled):
+    # Per-episode draws keep the index entries they read.  An entry whose writer has
+    # taken its index but not yet published it must be read again by a later draw:
+    # skipping it for good lost episodes under concurrent writers, until a draw found
+    # none left while the index held long ones.  The pending state is made here by
+    # giving the newest entry's seq its value from before the publish, for one read.
+    from shmbuf.protocol.words import _E_SEQ
+
+    buf, _ = filled
+    finder, ring = buf._finder, buf._ring
+    newest = ring.episodes_logged() - 1
+    word = ring.episode_table[newest % ring.layout.episode_slots, _E_SEQ:_E_SEQ + 1]
+    published = word.copy()
+    word.view(np.int64)[0] = 2 * newest + 1   # the writer is still writing its body
+    try:
+        seen = finder.held_episodes(1, 0).index
+    finally:
+        word[...] = published
+    assert newest not in seen
+    assert newest in finder.held_episodes(1, 0).index   # read again once published

@@ -763,6 +763,18 @@ class Ring:
         """Episodes ended so far (entries ever logged)."""
         return self.counter("episode_ticket")
 
+    def first_unpublished(self, lo: int, hi: int) -> int:
+        """The first episode index in ``[lo, hi)`` whose entry is logged but not yet
+        published (its writer is between taking the index and publishing it), else
+        ``hi``: a reader that keeps what it read must read from there again."""
+        indices = np.arange(lo, hi, dtype=np.int64)
+        seqs = self.episode_table[indices % self.layout.episode_slots, _E_SEQ].view(np.int64)
+        atomic.fence_acquire()
+        # A published entry's seq is 2 * index + 2; a later one's (its slot reused) is
+        # higher, and such an entry is gone for good: only a lower seq is pending.
+        pending = np.flatnonzero(seqs < 2 * indices + 2)
+        return int(indices[pending[0]]) if len(pending) else hi
+
     def read_episodes(self, indices: np.ndarray) -> Episodes:
         """The published entries among episode ``indices`` whose first chunk is intact."""
         indices = np.asarray(indices, np.int64)

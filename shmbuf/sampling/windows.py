@@ -234,18 +234,23 @@ class WindowFinder:
         The entries read before are kept (an entry's body never changes once
         read intact; whether its episode is still held is its first chunk's
         seq, checked again here), so a call reads only the entries logged
-        since and one seq per episode held.
+        since and one seq per episode held.  An entry logged but not yet
+        published when it was read is read again next time (with every entry
+        after it), never skipped for good.
         """
         lo, hi = self._episode_range(None)
         known, known_hi = self._held     # one tuple: threads sharing the finder see pairs
         if known is not None and len(known) and int(known.index[0]) < lo:
             known = known.take(known.index >= lo)
         start = lo if known is None else max(lo, known_hi)
-        fresh = self.ring.read_episodes(np.arange(start, hi))
+        ring = self.ring
+        upto = ring.first_unpublished(start, hi)   # taken before the read
+        fresh = ring.read_episodes(np.arange(start, hi))
         if known is not None and len(known):
-            known = known.take(self.ring.unchanged(known.chunk, known.seq))
+            known = known.take(ring.unchanged(known.chunk, known.seq))
             fresh = _concat(known, fresh)
-        self._held = (fresh, hi)
+        # Kept: the entries below the first one still pending; from it on, read again.
+        self._held = (fresh if upto == hi else fresh.take(fresh.index < upto), upto)
         return fresh.take(fresh.length >= length - tail)
 
     def no_episode_message(self, length: int, tail: int) -> str:
